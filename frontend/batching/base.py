@@ -3,6 +3,7 @@
 A worker loop (frontend/workers/) drives exactly one Aggregator::
 
     while running:
+        for job, error in batcher.tick(): job.sink.fail(error.status, error.message)   # timeouts etc.
         frame = aggregator.next_frame()            # pure: pulls jobs, decides what to send now
         if frame is None:
             wait until aggregator.wake_at() or until the model's batcher signals new work
@@ -10,19 +11,22 @@ A worker loop (frontend/workers/) drives exactly one Aggregator::
         send frame.to_wire(); then for each INFER_REPLY until reply.final:
             for job, result in aggregator.on_reply(reply): job.sink.deliver(result)
 
+``batcher`` is the model's ModelBatcher (model_batcher.py documents ``tick``).
+
 Aggregators are pure logic over queues and an injected ``clock`` (monotonic seconds): no sockets,
 no event loop, no ``time.time()``. Tests drive them with a fake clock and hand-built replies.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from backend.protocol import InferReply, InferRequest, WireResult
-from frontend.errors import QueueFull
+from frontend.errors import InvalidConfig, QueueFull
 from frontend.jobs import Job
 
 Clock = Callable[[], float]
@@ -45,6 +49,73 @@ class BatchConfig:
     sequence_strict_start: bool = False  # unknown id without the start header → SequenceUnknown
     tombstone_ttl: float = 600.0  # seconds a closed/expired sequence id stays rejected
     max_tombstones: int = 100_000
+    # Result header by which a handler ends sequences at once: value "<id>[;<id>...]"
+    # (config.properties ts_header_key_sequence_end; matched case-insensitively).
+    sequence_end_header: str = "ts_request_sequence_end"
+
+    @property
+    def policy(self) -> str:
+        """The aggregator this config selects: dynamic, continuous, sequence or sequence_continuous."""
+        if self.sequence:
+            return "sequence_continuous" if self.continuous else "sequence"
+        return "continuous" if self.continuous else "dynamic"
+
+    def validate(self, source: str) -> None:
+        """Raise InvalidConfig for the first value that breaks a rule, naming the key as the user
+        writes it (model-config.yaml / register parameters), the value as written and ``source``."""
+        ints = (
+            ("batch_size", 1), ("job_queue_size", 1), ("max_num_sequence", 1),
+            ("max_sequence_job_queue_size", 1), ("max_tombstones", 0),
+        )
+        for name, minimum in ints:
+            value = getattr(self, name)
+            if type(value) is not int or value < minimum:
+                _invalid(name, value, source, f"must be an integer >= {minimum}")
+        for name in ("max_batch_delay", "sequence_max_idle", "tombstone_ttl"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                _invalid(name, value, source, "must be a number >= 0")
+        if self.sequence_timeout is not None and (not _is_number(self.sequence_timeout) or self.sequence_timeout <= 0):
+            _invalid("sequence_timeout", self.sequence_timeout, source, "must be > 0, or unset for no absolute limit")
+        if self.sequence and self.sequence_max_idle <= 0:
+            # TorchServe accepts this and then expires every sequence at its first poll.
+            _invalid(
+                "sequence_max_idle", self.sequence_max_idle, source,
+                "must be > 0 when sequenceBatching is true (0 would expire every sequence at once)",
+            )
+        if self.sequence and not (isinstance(self.sequence_end_header, str) and self.sequence_end_header.strip()):
+            _invalid("sequence_end_header", self.sequence_end_header, source, "must be a non-empty header name")
+
+
+# How each BatchConfig field is spelled by the user, and the factor from seconds to the user's unit.
+CONFIG_KEYS: dict[str, tuple[str, float]] = {
+    "batch_size": ("batchSize", 1),
+    "max_batch_delay": ("maxBatchDelay", 1000),
+    "job_queue_size": ("jobQueueSize", 1),
+    "continuous": ("continuousBatching", 1),
+    "sequence": ("sequenceBatching", 1),
+    "sequence_max_idle": ("sequenceMaxIdleMSec", 1000),
+    "sequence_timeout": ("sequenceTimeoutMSec", 1000),
+    "max_num_sequence": ("maxNumSequence", 1),
+    "max_sequence_job_queue_size": ("maxSequenceJobQueueSize", 1),
+    "sequence_strict_start": ("sequenceStrictStart", 1),
+    "tombstone_ttl": ("sequenceTombstoneTtlMSec", 1000),
+    "max_tombstones": ("maxSequenceTombstones", 1),
+    "sequence_end_header": ("ts_header_key_sequence_end", 1),
+}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _invalid(name: str, value: object, source: str, rule: str) -> None:
+    key, factor = CONFIG_KEYS[name]
+    shown = value
+    if factor != 1 and _is_number(value):
+        scaled = value * factor  # type: ignore[operator]
+        shown = int(round(scaled)) if abs(scaled - round(scaled)) < 1e-6 else scaled
+    raise InvalidConfig(f"invalid {key}: {shown!r} in {source}: {rule}")
 
 
 @dataclass(slots=True)
@@ -55,8 +126,21 @@ class Frame:
     new_jobs: list[Job] = field(default_factory=list)  # sent with headers and payload (NEW)
     continuing_jobs: list[Job] = field(default_factory=list)  # already in the backend (CONTINUE, id only)
     cancelled_jobs: list[Job] = field(default_factory=list)  # the backend must free them (CANCEL, id only)
+    # Optional wire order over the three lists (sequence aggregators: each sequence's entries together,
+    # in arrival order). Empty: NEW entries, then CONTINUE, then CANCEL.
+    order: list[Job] = field(default_factory=list)
 
     def to_wire(self) -> InferRequest:
+        if self.order:
+            new_ids = {job.request_id for job in self.new_jobs}
+            cancel_ids = {job.request_id for job in self.cancelled_jobs}
+            ordered = [
+                job.to_wire_new() if job.request_id in new_ids
+                else job.to_wire_cancel() if job.request_id in cancel_ids
+                else job.to_wire_continue()
+                for job in self.order
+            ]
+            return InferRequest(self.frame_id, ordered)
         requests = [job.to_wire_new() for job in self.new_jobs]
         requests += [job.to_wire_continue() for job in self.continuing_jobs]
         requests += [job.to_wire_cancel() for job in self.cancelled_jobs]
@@ -106,7 +190,8 @@ class JobQueue:
         """Take out queued jobs whose deadline has passed (the caller answers them with 408)."""
         expired = [job for job in self._jobs if job.deadline is not None and job.deadline <= now]
         if expired:
-            self._jobs = deque(job for job in self._jobs if job not in expired)
+            gone = {id(job) for job in expired}
+            self._jobs = deque(job for job in self._jobs if id(job) not in gone)
         return expired
 
     def __len__(self) -> int:
@@ -124,6 +209,24 @@ class Aggregator(ABC):
         self.config = config
         self.clock = clock
         self._next_frame_id = 1
+        # Counters for metrics (read by the frontend; only the aggregator writes them).
+        self.num_steps = 0  # frames built
+        self.last_batch_size = 0  # NEW + CONTINUE entries of the last frame (the active batch size)
+        self.num_cancels_sent = 0  # CANCEL entries sent
+
+    def _record_step(self, frame: Frame) -> None:
+        self.num_steps += 1
+        self.last_batch_size = len(frame.new_jobs) + len(frame.continuing_jobs)
+        self.num_cancels_sent += len(frame.cancelled_jobs)
+
+    def stats(self) -> dict[str, int]:
+        """Per-worker counters for metrics and describe."""
+        return {
+            "num_steps": self.num_steps,
+            "last_batch_size": self.last_batch_size,
+            "num_cancels_sent": self.num_cancels_sent,
+            "num_active": self.num_active,
+        }
 
     def _new_frame(self) -> Frame:
         frame = Frame(self._next_frame_id)

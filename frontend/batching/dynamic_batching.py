@@ -63,16 +63,22 @@ class DynamicBatching(Aggregator):
         self._closed = False
 
     def _gather(self) -> None:
-        self._gathered = [job for job in self._gathered if not job.cancel_requested]
+        kept = []
+        for job in self._gathered:
+            if job.cancel_requested:
+                job.transition(JobState.CANCELLED)  # taken from the queue, never sent
+            else:
+                kept.append(job)
+        self._gathered = kept
         if not self._gathered:
             self._first_at = None
         while not self._closed and len(self._gathered) < self.config.batch_size:
-            job = self.queue.pop()
-            if job is None:
+            queued = self.queue.pop()
+            if queued is None:
                 break
             if self._first_at is None:
                 self._first_at = self.clock()
-            self._gathered.append(job)
+            self._gathered.append(queued)
 
     def next_frame(self) -> Frame | None:
         self._gather()
@@ -89,6 +95,7 @@ class DynamicBatching(Aggregator):
             frame.new_jobs.append(job)
         self._gathered = []
         self._first_at = None
+        self._record_step(frame)
         return frame
 
     def wake_at(self) -> float | None:

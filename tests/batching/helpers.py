@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.protocol import InferReply, InputParameter, WireResult
+from backend.protocol import InferReply, InputParameter, RequestFlags, RequestState, WireResult
 from frontend.batching.base import BatchConfig, Frame
 from frontend.batching.model_batcher import ModelBatcher
 from frontend.jobs import Job
@@ -19,11 +19,43 @@ class FakeClock:
         self.now += seconds
 
 
-def make_jobs(n: int, prefix: str = "r", model: str = "m", sequence_id: str = "", start: int = 0) -> list[Job]:
+def make_jobs(
+    n: int, prefix: str = "r", model: str = "m", sequence_id: str = "", start: int = 0,
+    flags: RequestFlags = RequestFlags.NONE,
+) -> list[Job]:
     return [
-        Job(f"{prefix}{i}", model, parameters=(InputParameter("body", "text/plain", str(i).encode()),), sequence_id=sequence_id)
+        Job(
+            f"{prefix}{i}", model, parameters=(InputParameter("body", "text/plain", str(i).encode()),),
+            sequence_id=sequence_id, flags=flags,
+        )
         for i in range(start, start + n)
     ]
+
+
+def seq_job(request_id: str, sequence_id: str, *, start: bool = False, end: bool = False, deadline: float | None = None) -> Job:
+    """One job of a sequence, optionally flagged SEQUENCE_START / SEQUENCE_END."""
+    flags = RequestFlags.NONE
+    if start:
+        flags |= RequestFlags.SEQUENCE_START
+    if end:
+        flags |= RequestFlags.SEQUENCE_END
+    return Job(
+        request_id, "m", parameters=(InputParameter("body", "text/plain", request_id.encode()),),
+        sequence_id=sequence_id, flags=flags, deadline=deadline,
+    )
+
+
+def ids(jobs) -> list[str]:
+    return [job.request_id for job in jobs]
+
+
+def wire(frame: Frame) -> list[tuple[str, RequestState]]:
+    """The frame as sent: (request id, state) per entry, in wire order."""
+    return [(req.request_id, req.state) for req in frame.to_wire().requests]
+
+
+def results(frame_id: int, *items: WireResult, final: bool = True) -> InferReply:
+    return InferReply(frame_id, final, items)
 
 
 def reply(frame: Frame, done: bool | dict[str, bool] = True, final: bool = True) -> InferReply:
