@@ -105,3 +105,38 @@ class InvalidConfig(ConveyorError):
     """A configuration value that is wrong; the message names the key, the value and the file."""
 
     status, grpc_code, error_type = 400, "INVALID_ARGUMENT", "InvalidConfigException"
+
+
+# Added by the frontend room (issue 4). -----------------------------------------------------------
+
+
+class ResourceNotFound(ConveyorError):
+    """A path no API serves (TorchServe's wording and type)."""
+
+    status, grpc_code, error_type = 404, "NOT_FOUND", "ResourceNotFoundException"
+
+
+class ModelVersionNotFound(ModelNotFound):
+    error_type = "ModelVersionNotFoundException"
+
+
+class Forbidden(ConveyorError):
+    """E.g. unregistering a model's default version while other versions remain (TorchServe: 403)."""
+
+    status, grpc_code, error_type = 403, "PERMISSION_DENIED", "InvalidModelVersionException"
+
+
+class ModelLoadError(ConveyorError):
+    """Registration failed: the archive could not be opened or its workers could not load it."""
+
+    status, grpc_code, error_type = 500, "INTERNAL", "ModelLoadException"
+
+
+class PredictionError(ConveyorError):
+    """The handler answered a request with an error status but no body of its own."""
+
+    error_type = "PredictionException"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

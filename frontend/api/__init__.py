@@ -1,0 +1,1 @@
+"""The HTTP APIs, one module each: inference, management, metrics (plus shared plumbing)."""

@@ -1,0 +1,103 @@
+"""Inference API (default 127.0.0.1:8080): ``/ping``, ``/predictions``, ``/explanations``,
+``/api-description``. Translates HTTP to Jobs and results back; knows nothing about batching."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from backend.protocol import RequestFlags
+from frontend.api.common import json_response, request_id
+from frontend.api.openapi import api_description
+from frontend.api.payload import check_content_length, read_parameters, request_headers, sequence_fields
+from frontend.api.streaming import respond
+from frontend.config import ServerConfig
+from frontend.jobs import Job
+from frontend.metrics import ServerMetrics, status_class
+from frontend.models import ModelRegistry
+from frontend.sinks import ResponseSink
+from frontend.workers import WorkerState
+
+
+class InferenceApi:
+    def __init__(self, registry: ModelRegistry, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.registry = registry
+        self.config = config
+        self.metrics = metrics
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/ping", self.ping)
+        app.router.add_get("/api-description", self.describe_api)
+        app.router.add_route("OPTIONS", "/", self.describe_api)
+        for prefix, explain in (("/predictions", False), ("/explanations", True)):
+            for path in (f"{prefix}/{{model}}", f"{prefix}/{{model}}/{{version}}"):
+                handler = self.explain if explain else self.predict
+                app.router.add_post(path, handler)
+                app.router.add_put(path, handler)
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """TorchServe's health rule over default versions: Healthy, Partial Healthy or Unhealthy."""
+        wanted = ready = 0
+        for entry in self.registry.models.values():
+            model = entry.default
+            wanted += model.min_workers
+            ready += sum(1 for w in model.pool.all_workers() if w.state == WorkerState.READY)
+        status = "Healthy"
+        if 0 < ready < wanted:
+            status = "Partial Healthy"
+        elif ready == 0 and wanted > 0:
+            status = "Unhealthy"
+        return json_response({"status": status}, status=500 if status == "Unhealthy" else 200)
+
+    async def describe_api(self, request: web.Request) -> web.Response:
+        return json_response(api_description("inference"))
+
+    async def predict(self, request: web.Request) -> web.StreamResponse:
+        return await self._infer(request, explain=False)
+
+    async def explain(self, request: web.Request) -> web.StreamResponse:
+        return await self._infer(request, explain=True)
+
+    async def _infer(self, request: web.Request, explain: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        name = request.match_info["model"]
+        model = self.registry.get(name, request.match_info.get("version"))
+        check_content_length(request, self.config.max_request_size)
+        parameters = await read_parameters(request, self.config.max_request_size)
+        headers = request_headers(request.headers)
+        if explain:
+            headers.append(("explain", "True"))  # TorchServe's signal to call the handler's explain
+        extra: dict[str, str] = {}
+        sequence_id, flags = "", RequestFlags.NONE
+        if model.config.sequence_batching:
+            sequence_id, flags, generated = sequence_fields(request.headers, self.config)
+            if generated:  # TorchServe handlers read the id from the headers too
+                headers.append((self.config.sequence_id_header, sequence_id))
+            extra[self.config.sequence_id_header] = sequence_id
+        sink = ResponseSink()
+        now = model.batcher.clock()
+        timeout_ms = model.config.client_timeout_ms
+        job = Job(
+            request_id(request), model.name, model.version, headers, parameters, sequence_id=sequence_id,
+            flags=flags, sink=sink, created_at=now, deadline=now + timeout_ms / 1000.0 if timeout_ms else None,
+        )
+        status = 500
+        submitted = False
+        try:
+            model.submit(job)  # QueueFull / NoWorkers / sequence errors: raised now, answered by the middleware
+            submitted = True
+            response = await respond(request, sink, extra)
+            status = response.status
+            return response
+        except BaseException as exc:
+            status = getattr(exc, "status", 499 if not isinstance(exc, Exception) else 500)
+            raise
+        finally:
+            if submitted and not job.state.finished:
+                # Client gone (handler cancelled), or the response could not be written: the
+                # aggregator drops the queued job or sends one CANCEL for a running one.
+                sink.close()
+                model.batcher.cancel(job)
+            self.metrics.inference_requests.labels(model.name, status_class(status)).inc()
+            self.metrics.inference_latency.labels(model.name).observe(time.monotonic() - started)

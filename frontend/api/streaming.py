@@ -1,0 +1,124 @@
+"""Job results → HTTP responses: the writers that turn a ResponseSink's results into a reply.
+
+A job's first result decides the shape of the response:
+  * done at once            → one complete response (status, headers, body of that result);
+  * more follow (done=False) → streamed: status and headers from the first result, one chunk per
+    result, HTTP chunked by default, Server-Sent Events when the client sent
+    ``Accept: text/event-stream``, or buffered into one body for HTTP/1.0 clients (no chunked).
+A failure after streaming began is written as a final error chunk (SSE: an ``error`` event), so a
+client never waits on a stream that will not end.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+
+from aiohttp import web
+
+from backend.protocol import WireResult
+from frontend.errors import ConveyorError, PredictionError
+from frontend.sinks import Failure, ResponseSink
+
+# Result headers that describe the framing of the backend's message, not the HTTP response.
+_SKIP_HEADERS = frozenset({"content-length", "content-type", "transfer-encoding", "connection", "keep-alive",
+                           "x-request-id"})
+
+
+class StreamMode(Enum):
+    CHUNKED = "chunked"
+    SSE = "sse"
+    BUFFERED = "buffered"
+
+
+def choose_mode(request: web.Request) -> StreamMode:
+    if "text/event-stream" in request.headers.get("Accept", ""):
+        return StreamMode.SSE
+    if request.version < (1, 1):
+        return StreamMode.BUFFERED
+    return StreamMode.CHUNKED
+
+
+def _result_error(result: WireResult) -> ConveyorError:
+    return PredictionError(result.status, result.message or f"prediction failed with status {result.status}")
+
+
+def _headers(result: WireResult, extra: dict[str, str]) -> dict[str, str]:
+    headers = {name: value for name, value in result.headers if name.lower() not in _SKIP_HEADERS}
+    headers.update(extra)
+    return headers
+
+
+def complete_response(result: WireResult, extra: dict[str, str], body: bytes | None = None) -> web.Response:
+    """One whole response. A handler error without a body of its own becomes TorchServe's JSON."""
+    if result.status >= 400 and not result.body and body is None:
+        error = _result_error(result)
+        return web.Response(text=json.dumps(error.to_json()), status=error.status, content_type="application/json",
+                            headers=extra)
+    response = web.Response(body=result.body if body is None else body, status=result.status, headers=_headers(result, extra))
+    response.content_type = (result.content_type or "application/octet-stream").split(";")[0]
+    charset = _charset(result.content_type)
+    if charset:
+        response.charset = charset
+    return response
+
+
+def _charset(content_type: str) -> str | None:
+    for part in content_type.split(";")[1:]:
+        key, _, value = part.strip().partition("=")
+        if key.lower() == "charset" and value:
+            return value.strip('"')
+    return None
+
+
+def _sse_event(data: bytes, event: str | None = None) -> bytes:
+    text = data.decode("utf-8", "replace")
+    lines = [f"event: {event}"] if event else []
+    lines += [f"data: {line}" for line in text.splitlines() or [""]]
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+async def respond(request: web.Request, sink: ResponseSink, extra_headers: dict[str, str]) -> web.StreamResponse:
+    """Await the job's results and write them to the client in the shape the first one decides."""
+    first = await sink.next()
+    if isinstance(first, Failure):
+        raise first.error
+    if first.done:
+        return complete_response(first, extra_headers)
+    mode = choose_mode(request)
+    if mode == StreamMode.BUFFERED:
+        bodies = [first.body]
+        while True:
+            item = await sink.next()
+            if isinstance(item, Failure):
+                raise item.error
+            bodies.append(item.body)
+            if item.done:
+                return complete_response(first, extra_headers, b"".join(bodies))
+
+    response = web.StreamResponse(status=first.status, headers=_headers(first, extra_headers))
+    if mode == StreamMode.SSE:
+        response.content_type = "text/event-stream"
+        response.headers["Cache-Control"] = "no-cache"
+    else:
+        response.content_type = (first.content_type or "application/octet-stream").split(";")[0]
+        response.enable_chunked_encoding()
+    await response.prepare(request)
+    item: WireResult | Failure = first
+    try:
+        while True:
+            if isinstance(item, Failure):
+                payload = json.dumps(item.error.to_json()).encode()
+                await response.write(_sse_event(payload, "error") if mode == StreamMode.SSE else payload + b"\n")
+                break
+            if item.body:
+                await response.write(_sse_event(item.body) if mode == StreamMode.SSE else item.body)
+            if item.done:
+                break
+            item = await sink.next()
+        await response.write_eof()
+    except ConnectionError:
+        # The client went away mid-stream. The headers are sent, so there is no error to answer;
+        # the caller sees the job unfinished and cancels it.
+        pass
+    return response

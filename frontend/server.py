@@ -1,0 +1,214 @@
+"""The app factory and the server's lifecycle.
+
+``ConveyorServer`` owns the shared state (config, registry, metrics) and builds one aiohttp
+application per API. The inference app carries the lifecycle hook (``cleanup_ctx``): background
+tasks start when the runners are set up and are cancelled and awaited at shutdown, after which
+every model's workers drain and stop.
+
+Shutdown order (SIGTERM, SIGINT or ``conveyor stop``): stop accepting on every port; let in-flight
+HTTP requests finish (up to ``SHUTDOWN_GRACE`` s, worker loops still serving them); cancel the
+background tasks; drain and stop every worker (SHUTDOWN, then kill past the grace); remove the
+socket and extraction directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Protocol, Sequence
+
+from aiohttp import web
+
+from frontend.api.common import Authorizer, NoAuth, make_app
+from frontend.api.inference import InferenceApi
+from frontend.api.management import ManagementApi
+from frontend.api.metrics import MetricsApi
+from frontend.config import ServerConfig
+from frontend.errors import ConveyorError, InvalidConfig
+from frontend.metrics import ServerMetrics
+from frontend.models import ModelRegistry
+from frontend.sinks import report_failure
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE = 30.0  # seconds for in-flight requests, then for workers to drain
+TICK_INTERVAL = 0.05  # seconds between time checks of every model (worker loops also check each step)
+STARTED_MESSAGE = "Model server started."
+_ARCHIVE_SUFFIXES = (".mar", ".tar.gz", ".tgz")
+
+
+@dataclass(frozen=True, slots=True)
+class StartupModel:
+    """One ``load_models`` / ``--models`` entry: an optional name and a URL (path in the store)."""
+
+    url: str
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, entry: str) -> "StartupModel":
+        name, sep, url = entry.partition("=")
+        return cls(url.strip(), name.strip() or None) if sep else cls(entry.strip())
+
+
+def startup_models(config: ServerConfig) -> list[StartupModel]:
+    """Expand ``load_models`` ("all" = every archive or model directory in the model store)."""
+    models: list[StartupModel] = []
+    for entry in config.load_models:
+        if entry.lower() != "all":
+            models.append(StartupModel.parse(entry))
+            continue
+        if config.model_store is None:
+            raise InvalidConfig("load_models=all needs a model store (--model-store or model_store)")
+        for path in sorted(config.model_store.iterdir()):
+            if path.name.endswith(_ARCHIVE_SUFFIXES) or (path.is_dir() and (path / "MAR-INF" / "MANIFEST.json").is_file()):
+                models.append(StartupModel(path.name))
+    return models
+
+
+class Service(Protocol):
+    """Another listener sharing the server's registry (e.g. the gRPC APIs of issue 8). Started
+    after the HTTP APIs listen and before the startup models load; stopped before the workers."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace: float) -> None: ...
+
+
+ServiceFactory = Callable[["ConveyorServer"], Service]
+
+
+def default_services() -> list[ServiceFactory]:
+    """The extra services every `conveyor start` runs (none yet: gRPC plugs in here)."""
+    return []
+
+
+class ConveyorServer:
+    def __init__(self, config: ServerConfig, authorizer: Authorizer | None = None,
+                 clock: Callable[[], float] = time.monotonic, services: Sequence[ServiceFactory] = ()) -> None:
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.registry = ModelRegistry(config, self.metrics, clock)
+        self.authorizer = authorizer or NoAuth()
+        self.clock = clock
+        self._runners: dict[str, web.AppRunner] = {}  # API name → runner, in start order
+        self._service_factories = list(services)
+        self._services: list[Service] = []
+
+    # App factory ----------------------------------------------------------------------------------
+
+    def create_apps(self) -> dict[str, web.Application]:
+        cfg = self.config
+        inference = make_app("inference", self.metrics, self.authorizer, client_max_size=cfg.max_request_size)
+        InferenceApi(self.registry, cfg, self.metrics).add_routes(inference)
+        inference.cleanup_ctx.append(self._lifecycle)
+        # Registration bodies are tiny JSON; archives come by URL, never in the body.
+        management = make_app("management", self.metrics, self.authorizer, client_max_size=1024 ** 2)
+        ManagementApi(self.registry, cfg).add_routes(management)
+        metrics = make_app("metrics", self.metrics, self.authorizer)
+        MetricsApi(self.metrics).add_routes(metrics)
+        return {"inference": inference, "management": management, "metrics": metrics}
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(self._tick_models(), name="tick-models")]
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.registry.close(SHUTDOWN_GRACE)
+
+    async def _tick_models(self) -> None:
+        """Enforce time for every model even when no worker loop iterates (all busy, or none):
+        queued jobs past clientTimeoutInMills get 408, expired sequences their error."""
+        while True:
+            await asyncio.sleep(TICK_INTERVAL)
+            for model in self.registry.all_versions():
+                for job, error in model.batcher.tick():
+                    report_failure(job, error)
+
+    # Lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen on every API, then load the startup models (synchronously)."""
+        cfg = self.config
+        apps = self.create_apps()
+        addresses = {"inference": cfg.inference_address, "management": cfg.management_address,
+                     "metrics": cfg.metrics_address}
+        for name, app in apps.items():
+            # handler_cancellation: a client that disconnects cancels its handler, which cancels the job.
+            runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, access_log=log.getChild("access"))
+            await runner.setup()
+            self._runners[name] = runner
+            address = addresses[name]
+            try:
+                await web.TCPSite(runner, address.host, address.port).start()
+            except OSError as exc:
+                raise InvalidConfig(f"cannot listen on {address.url} ({name} API): {exc.strerror or exc}") from None
+            log.info("%s API listening on %s", name.capitalize(), address.url)
+        for factory in self._service_factories:
+            service = factory(self)
+            await service.start()
+            self._services.append(service)
+            log.info("%s started", service.name)
+        await self.load_startup_models()
+
+    def bound_ports(self) -> dict[str, int]:
+        """The port each API listens on (useful with port 0 in configs)."""
+        return {name: runner.addresses[0][1] for name, runner in self._runners.items() if runner.addresses}
+
+    async def load_startup_models(self) -> None:
+        async def load(model: StartupModel) -> None:
+            registered, errors = await self.registry.register(model.url, model_name=model.name, synchronous=True,
+                                                              at_startup=True)
+            for error in errors:
+                log.error("model '%s': %s", registered.name, error)
+
+        results = await asyncio.gather(*(load(m) for m in startup_models(self.config)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def stop(self) -> None:
+        # The inference runner goes last: its cleanup stops the workers, which must outlive the
+        # in-flight requests of every API (and of every extra service).
+        for service in reversed(self._services):
+            try:
+                await service.stop(SHUTDOWN_GRACE)
+            except Exception:
+                log.exception("stopping %s failed", service.name)
+        self._services.clear()
+        for runner in reversed(list(self._runners.values())):
+            await runner.cleanup()
+        self._runners.clear()
+        await self.registry.close(SHUTDOWN_GRACE)  # no-op when the lifecycle hook already did it
+
+
+async def serve(config: ServerConfig, on_started: Callable[[], None] | None = None) -> int:
+    """Run until SIGTERM/SIGINT. Returns the process exit code."""
+    server = ConveyorServer(config, services=default_services())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            await server.start()
+        except ConveyorError as exc:
+            log.error("%s", exc.message)
+            return 1
+        log.info(STARTED_MESSAGE)
+        if on_started is not None:
+            on_started()
+        await stop.wait()
+        log.info("stopping: finishing in-flight requests, then stopping workers")
+        return 0
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        log.info("Model server stopped.")
+

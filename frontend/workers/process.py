@@ -1,0 +1,150 @@
+"""One backend worker process: spawn it, wait until it listens, forward its output, stop it.
+
+The worker prints exactly one stdout line ``CONVEYOR_WORKER_LISTENING pid=<pid> sock=<path>`` when
+its Unix socket accepts connections; everything else it prints (and all of stderr) is forwarded
+line by line into the frontend log under ``conveyor.worker.<id>``. The last stderr lines are kept
+so a failure message can say why the process died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Mapping
+
+READY_PREFIX = b"CONVEYOR_WORKER_LISTENING"
+STDERR_TAIL_LINES = 20
+
+
+class SpawnError(Exception):
+    """The process exited or stayed silent before it listened. The message carries its stderr tail."""
+
+
+class WorkerProcess:
+    __slots__ = ("worker_id", "sock_path", "proc", "stderr_tail", "_log", "_pumps", "_ready")
+
+    def __init__(self, worker_id: str, sock_path: Path, proc: asyncio.subprocess.Process) -> None:
+        self.worker_id = worker_id
+        self.sock_path = sock_path
+        self.proc = proc
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._log = logging.getLogger(f"conveyor.worker.{worker_id}")
+        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Both pipes are drained from the start: a worker that logs a lot while loading must never
+        # block on a full pipe.
+        self._pumps = [
+            asyncio.create_task(self._pump(proc.stdout, is_stdout=True), name=f"worker-{worker_id}-stdout"),
+            asyncio.create_task(self._pump(proc.stderr, is_stdout=False), name=f"worker-{worker_id}-stderr"),
+        ]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    @classmethod
+    async def spawn(
+        cls, worker_id: str, sock_path: Path, max_request_size: int, timeout: float,
+        env: Mapping[str, str] | None = None, cwd: Path | None = None,
+    ) -> "WorkerProcess":
+        """Start ``python -m backend.worker`` and return once it listens (or raise SpawnError)."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "backend.worker",
+            "--sock-path", str(sock_path), "--worker-id", worker_id, "--max-request-size", str(max_request_size),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=dict(env) if env is not None else None, cwd=str(cwd) if cwd else None,
+            # Own session: a Ctrl-C on the terminal reaches only the frontend, which then stops its
+            # workers in order; and killpg takes any children a handler started with it.
+            start_new_session=True,
+        )
+        worker = cls(worker_id, sock_path, proc)
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            done, _ = await asyncio.wait({worker._ready, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if worker._ready not in done:
+                if exited in done:
+                    await worker._drain_pumps()
+                    raise SpawnError(f"worker {worker_id} exited with {describe_exit(proc.returncode)} before listening"
+                                     f"{worker.stderr_summary()}")
+                raise SpawnError(f"worker {worker_id} did not listen within {timeout:g} s{worker.stderr_summary()}")
+        except BaseException:
+            exited.cancel()
+            await worker.kill()
+            raise
+        exited.cancel()
+        return worker
+
+    async def _pump(self, stream: asyncio.StreamReader | None, is_stdout: bool) -> None:
+        if stream is None:
+            return
+        while True:
+            line = await stream.readline()
+            if not line:
+                return
+            if is_stdout and not self._ready.done() and line.startswith(READY_PREFIX):
+                self._ready.set_result(None)
+                continue
+            text = line.decode("utf-8", "replace").rstrip()
+            if not is_stdout:
+                self.stderr_tail.append(text)
+            self._log.info("%s", text)
+
+    def stderr_summary(self) -> str:
+        if not self.stderr_tail:
+            return ""
+        return "; last stderr lines:\n" + "\n".join(self.stderr_tail)
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def _drain_pumps(self) -> None:
+        # The pipes close when the process (and any child holding them) exits; bounded anyway.
+        _, pending = await asyncio.wait(self._pumps, timeout=2.0)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    async def kill(self) -> None:
+        """SIGKILL the process group, reap it, stop forwarding, remove the socket file."""
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        await self.proc.wait()
+        await self._drain_pumps()
+        self._remove_socket()
+
+    async def stop(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for an exit the caller asked for (SHUTDOWN or EOF), then kill."""
+        if self.proc.returncode is None and grace > 0:
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace)
+            except asyncio.TimeoutError:
+                self._log.warning("worker %s did not exit within %.1f s; killing it", self.worker_id, grace)
+        await self.kill()
+
+    def _remove_socket(self) -> None:
+        try:
+            self.sock_path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "no exit status"
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
