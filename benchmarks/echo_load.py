@@ -48,11 +48,13 @@ def build_store(root: Path) -> Path:
     return store
 
 
-def start_server(root: Path, store: Path) -> tuple[subprocess.Popen, str]:
+def start_server(root: Path, store: Path, grpc_port: int | None = None) -> tuple[subprocess.Popen, str]:
     ports = [free_port() for _ in range(3)]
     config = root / "config.properties"
     config.write_text("".join(f"{name}_address=http://127.0.0.1:{port}\n"
-                              for name, port in zip(("inference", "management", "metrics"), ports)))
+                              for name, port in zip(("inference", "management", "metrics"), ports))
+                      + f"grpc_inference_port={grpc_port or free_port()}\ngrpc_management_port={free_port()}\n"
+                      + "disable_token_authorization=true\n")
     log = (root / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "start", "--foreground", "--ts-config", str(config),
                              "--model-store", str(store), "--models", "echo_b1.mar", "echo_b8.mar",

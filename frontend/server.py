@@ -83,8 +83,12 @@ ServiceFactory = Callable[["ConveyorServer"], Service]
 
 
 def default_services() -> list[ServiceFactory]:
-    """The extra services every `conveyor start` runs (none yet: gRPC plugs in here)."""
-    return []
+    """The extra services every `conveyor start` runs: the gRPC inference and management APIs."""
+    # Imported here: the generated protobuf modules register TorchServe's message names in the
+    # process-wide descriptor pool, which only the server process needs.
+    from frontend.grpc_api.service import GrpcService
+
+    return [GrpcService]
 
 
 class ConveyorServer:

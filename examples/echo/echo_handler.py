@@ -16,6 +16,8 @@ from backend.context import Context
 def _echo(row: Any) -> Any:
     if not isinstance(row, dict):
         return row
+    if "body" not in row and "data" in row:  # TorchServe's gRPC clients name the input "data"
+        row = {"body": row["data"]}
     if "body" not in row:
         return json.dumps({k: v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else v
                            for k, v in row.items()})

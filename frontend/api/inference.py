@@ -8,16 +8,17 @@ import time
 from aiohttp import web
 
 from backend.protocol import RequestFlags
-from frontend.api.common import json_response, request_id
+from frontend.api.common import error_response, json_response, request_id
 from frontend.api.openapi import api_description
 from frontend.api.payload import check_content_length, read_parameters, request_headers, sequence_fields
 from frontend.api.streaming import respond
 from frontend.config import ServerConfig
+from frontend.errors import ConveyorError
 from frontend.jobs import Job
 from frontend.metrics import ServerMetrics, status_class
 from frontend.models import ModelRegistry
+from frontend.models.health import health_status
 from frontend.sinks import ResponseSink
-from frontend.workers import WorkerState
 
 
 class InferenceApi:
@@ -38,16 +39,7 @@ class InferenceApi:
 
     async def ping(self, request: web.Request) -> web.Response:
         """TorchServe's health rule over default versions: Healthy, Partial Healthy or Unhealthy."""
-        wanted = ready = 0
-        for entry in self.registry.models.values():
-            model = entry.default
-            wanted += model.min_workers
-            ready += sum(1 for w in model.pool.all_workers() if w.state == WorkerState.READY)
-        status = "Healthy"
-        if 0 < ready < wanted:
-            status = "Partial Healthy"
-        elif ready == 0 and wanted > 0:
-            status = "Unhealthy"
+        status = health_status(self.registry)
         return json_response({"status": status}, status=500 if status == "Unhealthy" else 200)
 
     async def describe_api(self, request: web.Request) -> web.Response:
@@ -89,6 +81,13 @@ class InferenceApi:
             submitted = True
             response = await respond(request, sink, extra)
             status = response.status
+            return response
+        except ConveyorError as exc:
+            status = exc.status
+            if not extra:
+                raise  # answered by the middleware
+            response = error_response(exc)
+            response.headers.update(extra)  # a sequence model's errors carry the sequence id too
             return response
         except BaseException as exc:
             status = getattr(exc, "status", 499 if not isinstance(exc, Exception) else 500)

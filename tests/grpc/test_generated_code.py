@@ -1,8 +1,13 @@
-"""The committed gRPC modules are what `python -m frontend.grpc_api.generate` produces from the protos."""
+"""The committed gRPC modules are fresh, and our protos are wire-identical to TorchServe's."""
+
+from __future__ import annotations
 
 from pathlib import Path
 
+from google.protobuf import descriptor_pb2
+
 from frontend.grpc_api import generate
+from tests.grpc.conftest import TS_PROTOS, run_protoc
 
 
 def test_generated_modules_are_up_to_date(tmp_path: Path) -> None:
@@ -16,14 +21,26 @@ def test_generated_modules_are_up_to_date(tmp_path: Path) -> None:
             assert fresh == committed, f"{stem}{suffix} is stale: run python -m frontend.grpc_api.generate"
 
 
-def test_service_names_match_torchserve() -> None:
-    from frontend.grpc_api.protos import inference_pb2, management_pb2
+def _wire_shape(root: Path, protos: list[str], tmp_path: Path, tag: str) -> dict:
+    """Everything that decides the wire: packages, messages' fields (number, type, label), services."""
+    out = tmp_path / f"{tag}.pb"
+    run_protoc(root, protos, [f"--descriptor_set_out={out}"])
+    fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    shape: dict = {}
+    for file in fds.file:
+        for msg in file.message_type:
+            shape[f"{file.package}.{msg.name}"] = sorted(
+                (f.name, f.number, f.type, f.label, f.type_name, f.proto3_optional) for f in msg.field)
+            for nested in msg.nested_type:  # map entries
+                shape[f"{file.package}.{msg.name}.{nested.name}"] = sorted((f.name, f.number, f.type) for f in nested.field)
+        for service in file.service:
+            shape[f"{file.package}.{service.name}"] = sorted(
+                (m.name, m.input_type, m.output_type, m.client_streaming, m.server_streaming) for m in service.method)
+    return shape
 
-    assert inference_pb2.DESCRIPTOR.services_by_name["InferenceAPIsService"].full_name == (
-        "org.pytorch.serve.grpc.inference.InferenceAPIsService"
-    )
-    assert management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full_name == (
-        "org.pytorch.serve.grpc.management.ManagementAPIsService"
-    )
-    fields = inference_pb2.PredictionsRequest.DESCRIPTOR.fields_by_name
-    assert {n: f.number for n, f in fields.items()} == {"model_name": 1, "model_version": 2, "input": 3, "sequenceId": 4}
+
+def test_protos_are_wire_compatible_with_torchserve(tmp_path: Path) -> None:
+    ours = _wire_shape(generate.REPO_ROOT, [str(generate.PROTO_DIR / p) for p in generate.PROTOS], tmp_path, "ours")
+    theirs = _wire_shape(TS_PROTOS, ["inference.proto", "management.proto"], tmp_path, "theirs")
+    assert "org.pytorch.serve.grpc.inference.InferenceAPIsService" in ours
+    assert ours == theirs

@@ -63,6 +63,9 @@ class ConveyorProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         self.ports = {name: free_port() for name in ("inference", "management", "metrics")}
         props = {f"{name}_address": f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
+        self.ports.update(grpc_inference=free_port(), grpc_management=free_port())
+        props.update(grpc_inference_port=str(self.ports["grpc_inference"]),
+                     grpc_management_port=str(self.ports["grpc_management"]))
         props.update(properties or {})
         self.config_path = workdir / "config.properties"
         self.config_path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))

@@ -33,6 +33,8 @@ def test_torchserve_style_config_and_mar_start_unchanged(tmp_path: Path) -> None
 inference_address=http://127.0.0.1:{ports[0]}
 management_address=http://127.0.0.1:{ports[1]}
 metrics_address=http://127.0.0.1:{ports[2]}
+grpc_inference_port={free_port()}
+grpc_management_port={free_port()}
 number_of_netty_threads=4
 netty_client_threads=1
 vmargs=-Xmx512m -XX:+ExitOnOutOfMemoryError
@@ -116,7 +118,8 @@ def test_invalid_model_config_fails_start_naming_key_and_file(tmp_path: Path) ->
     build_mar(store, "echo", EXAMPLES / "echo" / "echo_handler.py", bad_yaml)
     ports = [free_port() for _ in range(3)]
     (tmp_path / "c.properties").write_text("".join(
-        f"{n}_address=http://127.0.0.1:{p}\n" for n, p in zip(("inference", "management", "metrics"), ports)))
+        f"{n}_address=http://127.0.0.1:{p}\n" for n, p in zip(("inference", "management", "metrics"), ports))
+        + f"grpc_inference_port={free_port()}\ngrpc_management_port={free_port()}\n")
     result = conveyor("start", "--foreground", "--ts-config", "c.properties", "--model-store", str(store),
                       "--models", "echo.mar", "--pid-file", str(tmp_path / "pid"), cwd=tmp_path, timeout=60)
     assert result.returncode == 1
@@ -131,7 +134,9 @@ def test_port_in_use_fails_start(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         (tmp_path / "c.properties").write_text(f"inference_address=http://127.0.0.1:{port}\n"
                                                f"management_address=http://127.0.0.1:{free_port()}\n"
-                                               f"metrics_address=http://127.0.0.1:{free_port()}\n")
+                                               f"metrics_address=http://127.0.0.1:{free_port()}\n"
+                                               f"grpc_inference_port={free_port()}\n"
+                                               f"grpc_management_port={free_port()}\n")
         result = conveyor("start", "--foreground", "--ts-config", "c.properties", "--pid-file",
                           str(tmp_path / "pid"), cwd=tmp_path, timeout=60)
     assert result.returncode == 1 and f"cannot listen on http://127.0.0.1:{port}" in result.stderr
