@@ -83,6 +83,12 @@ class SequenceWorkerLost(SequenceError):
     status, error_type = 410, "SequenceWorkerLostException"
 
 
+class SequenceAlreadyOpen(SequenceError):
+    """A request with the start flag named a sequence that is open."""
+
+    status, grpc_code, error_type = 409, "ALREADY_EXISTS", "SequenceAlreadyOpenException"
+
+
 class SequenceUnknown(SequenceError):
     """Strict start: an id the server does not know arrived without the start header."""
 

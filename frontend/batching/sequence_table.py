@@ -53,19 +53,14 @@ from typing import Callable, Iterable, Sequence as Seq
 
 from backend.protocol import RequestFlags
 from frontend.batching.base import BatchConfig, Clock
-from frontend.errors import (
-    ConveyorError, QueueFull, SequenceClosed, SequenceError, SequenceExpired, SequenceLimit,
+from frontend.errors import (  # SequenceAlreadyOpen is re-exported: it used to live here
+    ConveyorError, QueueFull, SequenceAlreadyOpen, SequenceClosed, SequenceError, SequenceExpired, SequenceLimit,
     SequenceUnknown, SequenceWorkerLost,
 )
 from frontend.jobs import Job, JobState
 
 Failure = tuple[Job, ConveyorError]
-
-
-class SequenceAlreadyOpen(SequenceError):
-    """A request with the start flag named a sequence that is open."""
-
-    status, grpc_code, error_type = 409, "ALREADY_EXISTS", "SequenceAlreadyOpenException"
+__all__ = ["Failure", "Sequence", "SequenceAlreadyOpen", "SequenceState", "SequenceTable", "Tombstone"]
 
 
 class SequenceState(IntEnum):
@@ -467,6 +462,12 @@ class SequenceTable:
     @property
     def num_open(self) -> int:
         return len(self._open)
+
+    def describe_worker(self, worker_id: str, max_ids: int = 100) -> dict:
+        """The open sequences pinned to one worker, for its entry in describe: their number and
+        (the first ``max_ids`` of) their ids, in pinning order."""
+        pinned = self._by_worker.get(worker_id, {})
+        return {"num_open": len(pinned), "ids": list(itertools.islice(pinned, max_ids))}
 
     def describe(self) -> dict:
         """For management (describe) and metrics."""

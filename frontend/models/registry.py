@@ -96,6 +96,8 @@ class ModelVersion:
                     "gpuUsage": "N/A",
                     "restarts": w.num_restarts,
                     **({"lastError": w.last_error} if w.last_error else {}),
+                    # Sequence models: the open sequences pinned to this worker (count and ids).
+                    **({"sequences": table.describe_worker(w.worker_id)} if (table := self.batcher.sequences) else {}),
                 }
                 for w in self.pool.all_workers()
             ],
@@ -131,11 +133,17 @@ class ModelRegistry:
         self.models_dir = self.work_dir / "models"
         self.models_dir.mkdir()
         metrics.watch_state(self._sample)
+        metrics.watch_sequences(self._sample_sequences)
 
     def _sample(self) -> Iterator[tuple[str, str, int, dict[str, int]]]:
         for name, entry in list(self.models.items()):
             for version, model in list(entry.versions.items()):
                 yield name, version, model.batcher.queue_depth, model.pool.count_by_state()
+
+    def _sample_sequences(self) -> Iterator[tuple[str, str, dict[str, int]]]:
+        for model in self.all_versions():
+            if (counts := model.batcher.describe_sequences()) is not None:
+                yield model.name, model.version, counts
 
     # Lookups ------------------------------------------------------------------------------------
 
@@ -190,10 +198,10 @@ class ModelRegistry:
             async with self._lock:
                 if name in self.models and version in self.models[name].versions:
                     raise Conflict(f"Model version {version} for model {name} is already registered")
-                env = None
+                # Workers read the configured sequence header names from TorchServe's variables.
+                env = {**os.environ, **sequence_header_env(self.config)}
                 if self.config.install_py_dep_per_model:
-                    extra_env = await install_dependencies(archive)
-                    env = {**os.environ, **extra_env} if extra_env else None
+                    env.update(await install_dependencies(archive))
                 model = self._build(name, version, url, archive, config, source, extract_dir, env, at_startup)
                 model.downloaded = downloaded
                 entry = self.models.setdefault(name, ModelEntry())
@@ -223,7 +231,7 @@ class ModelRegistry:
             batch_size=config.batch_size, max_request_size=self.config.max_request_size,
             max_response_size=self.config.max_response_size, startup_timeout=float(config.startup_timeout_s),
             response_timeout=float(config.response_timeout_s), max_retry_timeout=float(config.max_retry_timeout_s),
-            manifest=archive.manifest, model_yaml_config=archive.model_yaml_config, sock_dir=self.sock_dir, env=env,
+            manifest=archive.manifest, model_yaml_config=load_yaml_config(config), sock_dir=self.sock_dir, env=env,
         )
         pool = WorkerPool(spec, batcher, self.metrics, num_gpus=self.config.number_of_gpu)
         model = ModelVersion(name, version, url, archive, config, batcher, pool, extract_dir, at_startup)
@@ -274,6 +282,25 @@ class ModelRegistry:
         self.models.clear()
         await asyncio.gather(*(self._stop_model(m, timeout) for m in models), return_exceptions=True)
         await _remove_tree(self.work_dir)
+
+
+def sequence_header_env(config: ServerConfig) -> dict[str, str]:
+    """TorchServe's environment variables naming the sequence headers (``ts_header_key_sequence_*``):
+    the worker's Context reads ``header_key_sequence_id`` / ``_start`` / ``_end`` from them."""
+    return {
+        "TS_REQUEST_SEQUENCE_ID": config.sequence_id_header,
+        "TS_REQUEST_SEQUENCE_START": config.sequence_start_header,
+        "TS_REQUEST_SEQUENCE_END": config.sequence_end_header,
+    }
+
+
+def load_yaml_config(config: ModelConfig) -> dict[str, Any]:
+    """model-config.yaml as LOAD hands it to the handler (``context.model_yaml_config``): the archive's
+    yaml with the EFFECTIVE batching policy. A register parameter (``continuous_batching``) or the
+    ``models`` JSON entry may set it without the yaml saying so, and a handler that streams one step
+    per frame only when continuousBatching is on must agree with the aggregator the frontend runs."""
+    return {**config.raw, "continuousBatching": config.continuous_batching,
+            "sequenceBatching": config.sequence_batching}
 
 
 async def _remove_tree(path: Path) -> None:
