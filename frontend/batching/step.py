@@ -7,11 +7,11 @@ subclass decides what may join a step (``_gather`` / ``_admit``) and hears when 
 
 * **Leaving.** A job leaves when a result for it says ``done``; when a result has status >= 400 (a
   failure is terminal whatever ``done`` says: the result is delivered with ``done=True`` so the sink
-  closes the stream); when the client cancels it (``job.cancel_requested``: the next frame carries
-  exactly one CANCEL for it and it never appears again); when it was failed from outside (its
-  sequence was closed or expired: same CANCEL, nothing delivered); or when the final reply of a
-  frame has no result for it (it is failed with a 500 and, in continuous mode, CANCELled so the
-  backend frees whatever it kept).
+  closes the stream, and one that was not done is CANCELled so the backend frees it); when the
+  client cancels it (``job.cancel_requested``: the next frame carries exactly one CANCEL for it and
+  it never appears again); when it was failed from outside (its sequence was closed or expired:
+  same CANCEL, nothing delivered); or when the final reply of a frame has no result for it (it is
+  failed with a 500 and, in continuous mode, CANCELled so the backend frees whatever it kept).
 * **Waiting.** A busy worker (something running, or a CANCEL owed) never waits: whatever can join
   is admitted at once, between two steps. An idle worker returns None until something can join;
   then, if fewer than ``batch_size`` units can join, it waits at most ``max_batch_delay`` after it
@@ -165,6 +165,8 @@ class StepAggregator(Aggregator):
                 job.transition(JobState.DONE if result.status < 400 else JobState.FAILED)
                 if not result.done:
                     result = replace(result, done=True)
+                    if self.continuous:
+                        self._to_cancel.append(job)  # the backend still counts it as running: free it
                 self._left(job, now)
             out.append((job, result))
         if reply.final:

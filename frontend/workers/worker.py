@@ -14,7 +14,9 @@ The step loop is the only code that touches the worker's socket (DESIGN §1)::
     a frame   → send it; read INFER_REPLYs (each within responseTimeout) until reply.final,
                 handing every (job, result) from aggregator.on_reply() to job.sink.deliver()
 
-The loop does not know which batching policy runs behind the aggregator.
+The loop does not know which batching policy runs behind the aggregator. With continuous batching
+one frame is one step, and a busy worker goes from a final reply straight to the next frame (new
+jobs join there, a cancelled job's CANCEL goes there); ``StepMeter`` times that turnaround.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from backend.protocol import (
-    ConnectionClosed, InferReply, LoadReply, LoadRequest, ProtocolError, Shutdown, read_message, write_message,
+    HEADER_SIZE, ConnectionClosed, InferReply, LoadReply, LoadRequest, Message, ProtocolError, Shutdown, WireResult,
+    decode_header, decode_payload, read_message, write_message,
 )
-from frontend.batching.base import Aggregator
+from frontend.batching.base import Aggregator, Frame
 from frontend.batching.model_batcher import ModelBatcher
-from frontend.errors import WorkerError
 from frontend.jobs import Job, JobState
 from frontend.metrics import ServerMetrics
-from frontend.sinks import report_failure
+from frontend.sinks import failure_error, report_failure
 from frontend.workers.process import SpawnError, WorkerProcess, describe_exit
 
 log = logging.getLogger(__name__)
@@ -96,15 +98,21 @@ class WorkerSpec:
 
 
 class WorkerFailure(Exception):
-    """Why a worker had to be replaced; the message names the worker and the cause."""
+    """Why a worker had to be replaced; the message names the worker and the cause. ``status`` is
+    what its in-flight jobs get: 500, or 507 when the process died out of memory."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
-def fail_jobs(jobs: list[Job], message: str) -> None:
-    """End jobs that a worker can no longer answer; each client gets a WorkerError with ``message``."""
+def fail_jobs(jobs: list[Job], message: str, status: int = 500) -> None:
+    """End jobs that a worker can no longer answer; each client gets ``message`` with ``status``
+    (a WorkerError; 503: ServiceUnavailable, e.g. at shutdown)."""
     for job in jobs:
         if not job.state.finished:
             job.transition(JobState.FAILED)
-            report_failure(job, WorkerError(message))
+            report_failure(job, failure_error(status, message))
 
 
 def requeue(batcher: ModelBatcher, jobs: list[Job], wake: Callable[[], None]) -> None:
@@ -140,6 +148,7 @@ class Worker:
         self._stopping = asyncio.Event()  # drain and stop; also cuts a back-off sleep short
         self._first_load: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task[None] | None = None
+        self._stop_reason = ""  # what in-flight jobs are told when a stop past its timeout fails them
 
     # Control (called by the pool) -----------------------------------------------------------------
 
@@ -153,9 +162,11 @@ class Worker:
         """'' once the model loaded for the first time, else the first failure's message."""
         return await asyncio.shield(self._first_load)
 
-    async def stop(self, timeout: float | None = None) -> None:
+    async def stop(self, timeout: float | None = None, reason: str = "") -> None:
         """Drain (finish in-flight work, take nothing new), send SHUTDOWN, reap. After ``timeout``
-        seconds the slot is cancelled: its in-flight jobs then fail and the process is killed."""
+        seconds the slot is cancelled: its in-flight jobs then fail (503 with ``reason`` when
+        given) and the process is killed."""
+        self._stop_reason = reason or self._stop_reason
         self._stopping.set()
         self._wake.set()
         if self._task is None:
@@ -279,8 +290,10 @@ class Worker:
         except asyncio.TimeoutError:
             pass
         status = f", {describe_exit(proc.returncode)}" if proc.returncode is not None else ""
+        oom = proc.out_of_memory()
         return WorkerFailure(f"model '{self.spec.model_name}' worker {self.worker_id} (pid {proc.pid}) "
-                             f"{what}{status}{proc.stderr_summary()}")
+                             f"{what}{status}{' (out of memory)' if oom else ''}{proc.stderr_summary()}",
+                             status=507 if oom else 500)
 
     async def _serve_until_drained(self, proc: WorkerProcess, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Run the step loop while watching the process; any failure fails the in-flight jobs."""
@@ -312,8 +325,12 @@ class Worker:
             # Whatever ended the loop abnormally (failure, shutdown cancel): the jobs that were in
             # this backend cannot be answered any more; jobs never sent stay queued for others.
             lost = self.batcher.worker_lost(self.worker_id)
-            message = str(exc) if isinstance(exc, WorkerFailure) else f"worker {self.worker_id} was stopped"
-            fail_jobs(lost, message)
+            if isinstance(exc, WorkerFailure):
+                fail_jobs(lost, str(exc), exc.status)
+            elif self._stop_reason:
+                fail_jobs(lost, self._stop_reason, 503)
+            else:
+                fail_jobs(lost, f"worker {self.worker_id} was stopped")
             if not loop_task.done():
                 loop_task.cancel()
                 await asyncio.gather(loop_task, return_exceptions=True)
@@ -326,7 +343,10 @@ class Worker:
         loop = asyncio.get_running_loop()
         max_payload = self.spec.batch_size * (self.spec.max_response_size + 4096) + _FRAME_OVERHEAD
         timeout = self.spec.response_timeout
-        queue_latency = self.metrics.queue_latency.labels(self.spec.model_name)
+        meter = StepMeter(self.metrics, self.spec.model_name, self.worker_id)
+        # perf_counter() when the last final reply's bytes were in; None after an idle wait, so the
+        # overhead timer measures only back-to-back steps of a busy worker.
+        replied_at: float | None = None
         closed = False
         while True:
             if self._stopping.is_set() and not closed:
@@ -340,6 +360,7 @@ class Worker:
                 report_failure(job, error)
             frame = aggregator.next_frame()
             if frame is None:
+                replied_at = None
                 if closed and aggregator.num_active == 0:
                     return
                 times = [t for t in (aggregator.wake_at(), self.batcher.next_deadline()) if t is not None]
@@ -351,18 +372,89 @@ class Worker:
                     if timer is not None:
                         timer.cancel()
                 continue
-            now = clock()
-            for job in frame.new_jobs:
-                queue_latency.observe(max(0.0, now - job.created_at))
+            meter.frame_built(frame, clock())
             write_message(writer, frame.to_wire())
             await writer.drain()
+            if replied_at is not None:
+                meter.overhead(time.perf_counter() - replied_at, frame)
             while True:
-                reply = await asyncio.wait_for(read_message(reader, max_payload), timeout)
+                reply, received_at = await asyncio.wait_for(_read_reply(reader, max_payload), timeout)
                 if not isinstance(reply, InferReply) or reply.frame_id != frame.frame_id:
                     got = f"frame {reply.frame_id}" if isinstance(reply, InferReply) else type(reply).__name__
                     raise ProtocolError(f"expected INFER_REPLY for frame {frame.frame_id}, got {got}")
+                now = clock()
                 for job, result in aggregator.on_reply(reply):
+                    meter.result(job, result, now)
                     if job.sink is not None:
                         job.sink.deliver(result)
                 if reply.final:
+                    replied_at = received_at
                     break
+
+
+async def _read_reply(reader: asyncio.StreamReader, max_payload: int) -> tuple[Message, float]:
+    """``read_message``, split so the step-overhead timer starts once the reply's bytes are in:
+    decoding them is frontend work, waiting for them is not. Returns (message, perf_counter())."""
+    try:
+        header = await reader.readexactly(HEADER_SIZE)
+    except asyncio.IncompleteReadError as exc:
+        raise ConnectionClosed(partial=bool(exc.partial)) from None
+    msg_type, length = decode_header(header, max_payload)
+    try:
+        payload = await reader.readexactly(length) if length else b""
+    except asyncio.IncompleteReadError:
+        raise ConnectionClosed(partial=True) from None
+    received_at = time.perf_counter()
+    return decode_payload(msg_type, payload), received_at
+
+
+class StepMeter:
+    """The step loop's metrics for one worker (issue 5 §6), with the label children bound once.
+
+    Per frame: steps, active batch size (NEW + CONTINUE), CANCEL entries, queue wait of NEW jobs.
+    Per result: time to first chunk (accepted → first successful result handed to the sink) and
+    time between two results of one request. Per back-to-back step: the frontend's overhead, also
+    logged at DEBUG (``frontend.workers.worker``) so a benchmark can take exact percentiles.
+    """
+
+    __slots__ = ("worker_id", "_steps", "_batch_size", "_cancels", "_queue", "_first", "_between", "_overhead",
+                 "_last_at", "_debug")
+
+    def __init__(self, metrics: ServerMetrics, model_name: str, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._steps = metrics.steps.labels(model_name)
+        self._batch_size = metrics.batch_size.labels(model_name)
+        self._cancels = metrics.cancels_sent.labels(model_name)
+        self._queue = metrics.queue_latency.labels(model_name)
+        self._first = metrics.time_to_first_chunk.labels(model_name)
+        self._between = metrics.time_between_chunks.labels(model_name)
+        self._overhead = metrics.step_overhead.labels(model_name)
+        # request id → clock() of its last result. Bounded: an entry leaves with its request's
+        # terminal result or its CANCEL entry, and the whole map with the loop (worker lost).
+        self._last_at: dict[str, float] = {}
+        self._debug = log.isEnabledFor(logging.DEBUG)
+
+    def frame_built(self, frame: Frame, now: float) -> None:
+        self._steps.inc()
+        self._batch_size.observe(len(frame.new_jobs) + len(frame.continuing_jobs))
+        for job in frame.new_jobs:
+            self._queue.observe(max(0.0, now - job.created_at))
+        if frame.cancelled_jobs:
+            self._cancels.inc(len(frame.cancelled_jobs))
+            for job in frame.cancelled_jobs:
+                self._last_at.pop(job.request_id, None)
+
+    def result(self, job: Job, result: WireResult, now: float) -> None:
+        previous = self._last_at.pop(job.request_id, None)
+        if previous is not None:
+            self._between.observe(max(0.0, now - previous))
+        elif result.status < 400:
+            self._first.observe(max(0.0, now - job.created_at))
+        if not result.done:  # aggregators deliver every terminal result (failures too) as done
+            self._last_at[job.request_id] = now
+
+    def overhead(self, seconds: float, frame: Frame) -> None:
+        self._overhead.observe(seconds)
+        if self._debug:
+            log.debug("worker %s step overhead %.1f us batch=%d", self.worker_id, seconds * 1e6,
+                      len(frame.new_jobs) + len(frame.continuing_jobs))

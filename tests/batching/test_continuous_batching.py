@@ -177,7 +177,10 @@ def test_failed_result_is_terminal_whatever_done_says():
     job, result = out[0]
     assert result.status == 500 and result.done  # delivered as the stream's end
     assert job.state == JobState.FAILED
-    assert wire(agg.next_frame()) == [("r1", CONTINUE)]  # gone, and no CANCEL
+    # Gone; the backend was not told it is done (done=False), so it gets one CANCEL to free it.
+    assert wire(agg.next_frame()) == [("r1", CONTINUE), ("r0", CANCEL)]
+    agg.on_reply(results(2, WireResult("r1", done=True)))
+    assert agg.next_frame() is None
 
 
 def test_missing_result_fails_the_job_and_cancels_it():
