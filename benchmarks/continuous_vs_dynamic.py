@@ -7,7 +7,7 @@ Not a test: run it by hand.
    ``batchSize`` (= concurrency): ``cb`` with ``continuousBatching: true`` (one chunk per request per
    step, requests join and leave between steps) and ``db`` with plain dynamic batching (a frame runs
    all the steps of its requests and streams the chunks as intermediate replies). Every decode step
-   costs ``step_ms`` in both modes (see PerStepCost below). ``concurrency`` clients run a closed loop
+   costs ``step_ms`` per step in both modes. ``concurrency`` clients run a closed loop
    over the same seeded list of streams of mixed lengths; throughput is chunks received per second,
    and the ratio cb/db comes from this one run.
 2. **Per-step overhead** at 32 active streams: model ``cb32`` (batchSize 32, continuous), 32 long
@@ -44,32 +44,6 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 STREAMING = REPO / "examples" / "streaming" / "streaming_handler.py"
 
-# examples/streaming charges step_ms once per frame. In continuous mode a frame is one step; in plain
-# batching a frame runs every step of its requests, so this subclass pays step_ms for each of them
-# (the first is paid by handle() itself, as in continuous mode).
-PER_STEP_COST = '''
-import json
-import time
-
-from backend.handler_utils import send_intermediate_predict_response
-from streaming_handler import StreamingHandler
-
-
-class PerStepCost(StreamingHandler):
-    def _stream_whole(self, data, parsed, context):
-        step = max((p[1] for p in parsed if p), default=0.0)
-        for idx, p in enumerate(parsed):
-            if p:
-                context.set_response_content_type(idx, "application/json")
-        longest = max((p[0] for p in parsed if p), default=1)
-        for k in range(longest - 1):
-            req_map = {idx: context.request_ids[idx] for idx, p in enumerate(parsed) if p and k < p[0] - 1}
-            if req_map:
-                chunks = [json.dumps({"i": k, "of": p[0]}) if p else "" for p in parsed]
-                send_intermediate_predict_response(chunks, req_map, "Intermediate response", 200, context)
-            time.sleep(step)  # the cost of step k + 1
-        return [json.dumps({"i": p[0] - 1, "of": p[0]}) if p else data[idx] for idx, p in enumerate(parsed)]
-'''
 LOG_CONFIG = {"version": 1, "incremental": True, "loggers": {"frontend.workers.worker": {"level": "DEBUG"}}}
 OVERHEAD_LINE = re.compile(r"step overhead ([\d.]+) us batch=(\d+)")
 
@@ -84,14 +58,13 @@ def archive(root: Path, store: Path, name: str, yaml: str) -> None:
     config = root / f"{name}.yaml"
     config.write_text(yaml)
     subprocess.run([sys.executable, "-m", "frontend.cli", "archive", "--model-name", name, "--version", "1.0",
-                    "--handler", str(root / "per_step_cost.py"), "--extra-files", str(STREAMING),
+                    "--handler", str(STREAMING),
                     "--config-file", str(config), "--export-path", str(store)], check=True, cwd=REPO)
 
 
 def build_store(root: Path, batch_size: int, delay_ms: int) -> Path:
     store = root / "store"
     store.mkdir()
-    (root / "per_step_cost.py").write_text(PER_STEP_COST)
     common = f"minWorkers: 1\nmaxWorkers: 1\nmaxBatchDelay: {delay_ms}\njobQueueSize: 1000\nresponseTimeout: 600\n"
     archive(root, store, "cb", common + f"batchSize: {batch_size}\ncontinuousBatching: true\n")
     archive(root, store, "db", common + f"batchSize: {batch_size}\ncontinuousBatching: false\n")

@@ -83,7 +83,7 @@ class StreamingHandler:
             time.sleep(step)
         if self.continuous:
             return [self._next_chunk(idx, p, context) if p else data[idx] for idx, p in enumerate(parsed)]
-        return self._stream_whole(data, parsed, context)
+        return self._stream_whole(data, parsed, context, step)
 
     def _next_chunk(self, idx: int, parsed: tuple[int, float], context: Context) -> str:
         rid = context.get_request_id(idx) or ""
@@ -98,8 +98,9 @@ class StreamingHandler:
             self.steps[rid] = k + 1
         return json.dumps({"i": k, "of": n})
 
-    def _stream_whole(self, data: list, parsed: list, context: Context) -> list:
-        """Plain batching: all chunks in one frame, the last one as the final result."""
+    def _stream_whole(self, data: list, parsed: list, context: Context, step: float) -> list:
+        """Plain batching: all chunks in one frame, the last one as the final result. Each step
+        costs ``step_ms`` as in continuous mode (the first one was paid by ``handle``)."""
         for idx, p in enumerate(parsed):
             if p:
                 context.set_response_content_type(idx, "application/json")
@@ -109,4 +110,6 @@ class StreamingHandler:
             if req_map:
                 chunks = [json.dumps({"i": k, "of": p[0]}) if p else "" for p in parsed]
                 send_intermediate_predict_response(chunks, req_map, "Intermediate response", 200, context)
+            if step:
+                time.sleep(step)  # the cost of step k + 1
         return [json.dumps({"i": p[0] - 1, "of": p[0]}) if p else data[idx] for idx, p in enumerate(parsed)]
