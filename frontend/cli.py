@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: ``start``, ``stop``, ``status`` and ``archive``.
+"""The ``conveyor`` command: ``start``, ``serve``, ``stop``, ``status`` and ``archive``.
 
 ``conveyor start`` takes TorchServe's flags, so scripts written for ``torchserve --start`` keep
 working (``conveyor --start ...`` and ``conveyor --stop`` are accepted too). Without
@@ -27,9 +27,10 @@ from typing import Sequence
 
 from frontend.config import ServerConfig, load_server_config, locate_config_file
 from frontend.errors import InvalidConfig
+from frontend.serve import add_serve_parser, cmd_serve
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-STOP_TIMEOUT = 60.0  # seconds `conveyor stop` waits before it kills
+STOP_TIMEOUT = 60.0  # seconds `conveyor stop` waits before it kills (at least the server's grace + 30 s)
 
 
 def default_pid_file() -> Path:
@@ -38,7 +39,7 @@ def default_pid_file() -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor model server")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{start,stop,status,archive}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{start,serve,stop,status,archive}")
 
     start = sub.add_parser("start", help="start the model server")
     start.add_argument("--model-store", help="directory of model archives")
@@ -59,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--pid-file", type=Path, default=None)
         if name == "stop":
-            cmd.add_argument("--timeout", type=float, default=STOP_TIMEOUT, help="seconds before the server is killed")
+            cmd.add_argument("--timeout", type=float, default=None, help="seconds before the server is killed "
+                             f"(default: {STOP_TIMEOUT:g}, or the server's graceful_shutdown_timeout + 30 if longer)")
 
     sub.add_parser("archive", help="build a model archive (torch-model-archiver's flags)", add_help=False)
+    add_serve_parser(sub)  # `conveyor serve MODEL_DIR`: a checkpoint directory, no archive (frontend/serve.py)
     return parser
 
 
@@ -76,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(args_list)
     if args.command == "start":
         return cmd_start(args)
+    if args.command == "serve":
+        return cmd_serve(args)
     if args.command == "stop":
         return cmd_stop(args.pid_file or default_pid_file(), args.timeout)
     return cmd_status(args.pid_file or default_pid_file())
@@ -177,6 +182,7 @@ def _run_foreground(config: ServerConfig, pid_file: Path, ready_fd: int | None) 
     pid_file.write_text(json.dumps({
         "pid": os.getpid(), "inference": config.inference_address.url,
         "management": config.management_address.url, "metrics": config.metrics_address.url,
+        "graceful_shutdown_timeout": config.graceful_shutdown_timeout,  # `conveyor stop` waits longer than this
     }))
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
@@ -256,13 +262,16 @@ def _wait_exit(pid: int, timeout: float) -> bool:
         os.close(fd)
 
 
-def cmd_stop(pid_file: Path, timeout: float) -> int:
+def cmd_stop(pid_file: Path, timeout: float | None) -> int:
     info = _read_pid_file(pid_file)
     if info is None or not _alive(info["pid"]):
         print("Conveyor is not running.")
         pid_file.unlink(missing_ok=True)
         return 1
     pid = info["pid"]
+    if timeout is None:  # never kill a server that is still within its own graceful shutdown
+        grace = info.get("graceful_shutdown_timeout")
+        timeout = max(STOP_TIMEOUT, float(grace) + 30.0) if isinstance(grace, (int, float)) else STOP_TIMEOUT
     os.kill(pid, signal.SIGTERM)
     if not _wait_exit(pid, timeout):
         print(f"Conveyor (pid {pid}) did not stop within {timeout:g} s; killing it", file=sys.stderr)

@@ -5,10 +5,11 @@ application per API. The inference app carries the lifecycle hook (``cleanup_ctx
 tasks start when the runners are set up and are cancelled and awaited at shutdown, after which
 every model's workers drain and stop.
 
-Shutdown order (SIGTERM, SIGINT or ``conveyor stop``): stop accepting on every port; let in-flight
-HTTP requests finish (up to ``SHUTDOWN_GRACE`` s, worker loops still serving them); cancel the
-background tasks; drain and stop every worker (SHUTDOWN, then kill past the grace); remove the
-socket and extraction directories.
+Shutdown order (SIGTERM, SIGINT or ``conveyor stop``; docs/reliability.md): stop accepting on every
+port; let in-flight requests and streams finish (up to ``graceful_shutdown_timeout`` s, worker loops
+still serving them); past that, stop every worker at once, which fails what is left with a 503
+naming the cause; cancel the background tasks; drain and stop every worker (SHUTDOWN, then kill);
+remove the socket and extraction directories and the key file.
 """
 
 from __future__ import annotations
@@ -22,19 +23,24 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from aiohttp import web
 
-from frontend.api.common import Authorizer, NoAuth, make_app
+from frontend.api.common import Authorizer, GuardedAppRunner, InFlight, make_app
 from frontend.api.inference import InferenceApi
+from frontend.api.kserve import KServeApi
 from frontend.api.management import ManagementApi
 from frontend.api.metrics import MetricsApi
 from frontend.config import ServerConfig
-from frontend.errors import ConveyorError, InvalidConfig
+from frontend.auth import TokenAuthorizer, make_authorizer
+from frontend.errors import ConveyorError, InvalidConfig, ServiceUnavailable
+from frontend.jobs import JobState
 from frontend.metrics import ServerMetrics
 from frontend.models import ModelRegistry
+from frontend.openai.routes import OpenAIApi
 from frontend.sinks import report_failure
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE = 30.0  # seconds for in-flight requests, then for workers to drain
+WORKER_STOP_GRACE = 5.0  # seconds workers get to drain once no request is in flight any more
+FAIL_GRACE = 5.0  # seconds handlers get to write the shutdown error past graceful_shutdown_timeout
 TICK_INTERVAL = 0.05  # seconds between time checks of every model (worker loops also check each step)
 STARTED_MESSAGE = "Model server started."
 _ARCHIVE_SUFFIXES = (".mar", ".tar.gz", ".tgz")
@@ -97,7 +103,8 @@ class ConveyorServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.registry = ModelRegistry(config, self.metrics, clock)
-        self.authorizer = authorizer or NoAuth()
+        self.authorizer = authorizer or make_authorizer(config)
+        self.in_flight = InFlight()  # requests being handled over every HTTP API
         self.clock = clock
         self._runners: dict[str, web.AppRunner] = {}  # API name → runner, in start order
         self._service_factories = list(services)
@@ -107,13 +114,20 @@ class ConveyorServer:
 
     def create_apps(self) -> dict[str, web.Application]:
         cfg = self.config
-        inference = make_app("inference", self.metrics, self.authorizer, client_max_size=cfg.max_request_size)
+        guards = {"in_flight": self.in_flight, "body_timeout": cfg.request_body_timeout}
+        inference = make_app("inference", self.metrics, self.authorizer, client_max_size=cfg.max_request_size, **guards)
         InferenceApi(self.registry, cfg, self.metrics).add_routes(inference)
+        # KServe v1 / Open Inference v2 / /health (issue 11), before the OpenAI routes: it serves the shared
+        # GET /v1/models/{m}. Readiness reads the drain flag that stop() sets first.
+        KServeApi(self.registry, cfg, self.metrics, lambda: self.in_flight.closing).add_routes(inference)
+        OpenAIApi(self.registry, cfg, self.metrics).add_routes(inference)  # /v1/* (OpenAI-compatible)
         inference.cleanup_ctx.append(self._lifecycle)
         # Registration bodies are tiny JSON; archives come by URL, never in the body.
-        management = make_app("management", self.metrics, self.authorizer, client_max_size=1024 ** 2)
+        management = make_app("management", self.metrics, self.authorizer, client_max_size=1024 ** 2, **guards)
+        if isinstance(self.authorizer, TokenAuthorizer):
+            self.authorizer.add_routes(management)  # GET /token?type=inference|management
         ManagementApi(self.registry, cfg).add_routes(management)
-        metrics = make_app("metrics", self.metrics, self.authorizer)
+        metrics = make_app("metrics", self.metrics, self.authorizer, **guards)
         MetricsApi(self.metrics).add_routes(metrics)
         return {"inference": inference, "management": management, "metrics": metrics}
 
@@ -123,7 +137,7 @@ class ConveyorServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.registry.close(SHUTDOWN_GRACE)
+        await self.registry.close(WORKER_STOP_GRACE)
 
     async def _tick_models(self) -> None:
         """Enforce time for every model even when no worker loop iterates (all busy, or none):
@@ -142,9 +156,12 @@ class ConveyorServer:
         apps = self.create_apps()
         addresses = {"inference": cfg.inference_address, "management": cfg.management_address,
                      "metrics": cfg.metrics_address}
+        self.authorizer.start()  # writes key_file.json (token auth on) before any port listens
         for name, app in apps.items():
             # handler_cancellation: a client that disconnects cancels its handler, which cancels the job.
-            runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, access_log=log.getChild("access"))
+            # stop() waits for in-flight requests itself; the runner's own wait is the last resort.
+            runner = GuardedAppRunner(app, max_connections=cfg.max_connections, handler_cancellation=True,
+                                      shutdown_timeout=FAIL_GRACE, access_log=log.getChild("access"))
             await runner.setup()
             self._runners[name] = runner
             address = addresses[name]
@@ -177,18 +194,50 @@ class ConveyorServer:
                 raise result
 
     async def stop(self) -> None:
-        # The inference runner goes last: its cleanup stops the workers, which must outlive the
-        # in-flight requests of every API (and of every extra service).
-        for service in reversed(self._services):
-            try:
-                await service.stop(SHUTDOWN_GRACE)
-            except Exception:
-                log.exception("stopping %s failed", service.name)
-        self._services.clear()
+        """Graceful stop: stop accepting everywhere; in-flight requests and streams (every API and
+        extra service) get ``graceful_shutdown_timeout`` s while the workers still serve them; past
+        that, ``_fail_unfinished``; then the workers drain and stop (the inference runner's cleanup)."""
+        grace = self.config.graceful_shutdown_timeout
+        self.in_flight.closing = True  # new work on a keep-alive connection gets 503 (reads are answered)
+        for runner in self._runners.values():
+            for site in list(runner.sites):
+                await site.stop()
+            if runner.server is not None:
+                runner.server.pre_shutdown()  # idle connections close now, busy ones after their response
+        services, self._services = list(reversed(self._services)), []
+        stopping = asyncio.gather(*(self._stop_service(s, grace) for s in services))
+        if not await self.in_flight.wait_idle(grace):
+            log.warning("%d requests still running after graceful_shutdown_timeout=%g s; failing them",
+                        self.in_flight.count, grace)
+            await self._fail_unfinished(grace)
+            await self.in_flight.wait_idle(FAIL_GRACE)
+        await stopping
+        # The inference runner goes last: its cleanup stops the workers.
         for runner in reversed(list(self._runners.values())):
             await runner.cleanup()
         self._runners.clear()
-        await self.registry.close(SHUTDOWN_GRACE)  # no-op when the lifecycle hook already did it
+        await self.registry.close(WORKER_STOP_GRACE)  # no-op when the lifecycle hook already did it
+        self.authorizer.stop()  # removes key_file.json
+
+    @staticmethod
+    async def _stop_service(service: Service, grace: float) -> None:
+        try:
+            await service.stop(grace)
+        except Exception:
+            log.exception("stopping %s failed", service.name)
+
+    async def _fail_unfinished(self, grace: float) -> None:
+        """The grace is over: stop every worker at once; jobs in a backend fail with a 503 naming
+        the cause (a stream ends with an error chunk), and so do jobs still queued."""
+        reason = f"Conveyor is shutting down: the request did not finish within graceful_shutdown_timeout={grace:g} s"
+        models = self.registry.all_versions()
+        await asyncio.gather(*(w.stop(0.0, reason) for m in models for w in m.pool.all_workers()),
+                             return_exceptions=True)
+        error = ServiceUnavailable(reason)
+        for model in models:
+            while (job := model.batcher.queue.pop()) is not None:
+                job.transition(JobState.FAILED)
+                report_failure(job, error)
 
 
 async def serve(config: ServerConfig, on_started: Callable[[], None] | None = None) -> int:

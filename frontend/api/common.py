@@ -2,20 +2,31 @@
 
 Error mapping lives in ``error_response`` only: typed ConveyorErrors carry their status; aiohttp's
 own HTTP exceptions (unknown route, wrong method, body over client_max_size) are translated into
-the same JSON shape ``{"code", "type", "message"}`` that TorchServe clients parse.
+the same JSON shape ``{"code", "type", "message"}`` that TorchServe clients parse — and so are the
+errors aiohttp answers before any middleware runs (a malformed request line, headers over 8190
+bytes, a bad Content-Length), by ``GuardedAppRunner``'s request handler.
+
+``GuardedAppRunner`` also bounds the open connections of one listener (``max_connections``): one
+more is answered ``503`` JSON and closed. ``InFlight`` counts the requests being handled, so a
+graceful shutdown can wait for them, and refuses new ones (``503``) once shutdown began.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import uuid
-from typing import Any, Awaitable, Callable, Protocol
+from http import HTTPStatus
+from typing import Any, Awaitable, Callable, Protocol, cast
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
-from frontend.errors import ConveyorError, MethodNotAllowed, RequestTooLarge, ResourceNotFound
+from frontend.errors import (
+    ConveyorError, MethodNotAllowed, RequestTimeout, RequestTooLarge, ResourceNotFound, ServiceUnavailable,
+)
 from frontend.metrics import ServerMetrics, status_class
 
 log = logging.getLogger(__name__)
@@ -25,6 +36,7 @@ REQUEST_ID_KEY = web.RequestKey("request_id", str)
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def request_id(request: web.Request) -> str:
@@ -56,29 +68,118 @@ def _from_http_exception(exc: web.HTTPException) -> ConveyorError:
 
 
 class Authorizer(Protocol):
-    """Token auth hook (issue 9: TorchServe's key_file.json). Raises Unauthorized to refuse."""
+    """Token auth (frontend/auth.py: TorchServe's key_file.json). ``check`` is the HTTP hook,
+    ``check_token`` the same rule for other transports (gRPC metadata); both raise Unauthorized."""
 
     def check(self, request: web.Request, api: str) -> None: ...
 
+    def check_token(self, api: str, authorization_header: str | None) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
 
 class NoAuth:
-    """Token authorization is not implemented yet: every request is allowed (see docs)."""
+    """Token authorization disabled (``--disable-token-auth``): every request is allowed."""
 
     def check(self, request: web.Request, api: str) -> None:
         return None
 
+    def check_token(self, api: str, authorization_header: str | None) -> None:
+        return None
 
-def make_middlewares(api: str, metrics: ServerMetrics, authorizer: Authorizer) -> list:
-    """Request id + error mapping + HTTP metrics, then the auth hook, for one API ("inference", ...)."""
+    def start(self) -> None:
+        log.warning("Token authorization is disabled: anyone who can reach the APIs can call them")
+
+    def stop(self) -> None:
+        return None
+
+
+class _BodyDeadline:
+    """A client that announced a body must send it within ``timeout`` seconds (a Content-Length
+    that lies, a stalled upload): past it the handler, still reading, is cancelled and the client
+    gets 408. Requests without a body never start the timer."""
+
+    __slots__ = ("expired", "_timer", "_task", "_request")
+
+    def __init__(self, request: web.Request, timeout: float) -> None:
+        self.expired = False
+        self._request = request
+        self._task = asyncio.current_task()
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._fire) if request.body_exists else None
+
+    def _fire(self) -> None:
+        if self._task is not None and not self._request.content.is_eof():
+            self.expired = True
+            self._task.cancel()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.expired and self._task is not None:
+            self._task.uncancel()  # the cancellation was ours and is handled: the task goes on
+
+
+class InFlight:
+    """Requests being handled, over every API of one server; set ``closing`` (shutdown began) to
+    refuse new work (POST / PUT / DELETE) with 503."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no request is in flight; False if ``timeout`` seconds passed first."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+def make_middlewares(api: str, metrics: ServerMetrics, authorizer: Authorizer, in_flight: InFlight | None = None,
+                     body_timeout: float | None = None) -> list:
+    """Request id + error mapping + HTTP metrics + in-flight count + body deadline, then the auth
+    hook, for one API ("inference", ...)."""
     requests_counter = metrics.http_requests
+    tracker = in_flight or InFlight()
 
     @web.middleware
     async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
         # A client's id is echoed when it is sane (tracing across proxies); else we make one.
         request[REQUEST_ID_KEY] = client_id if _CLIENT_ID.fullmatch(client_id) else str(uuid.uuid4())
+        tracker.enter()
+        deadline = _BodyDeadline(request, body_timeout) if body_timeout is not None else None
         try:
-            response = await handler(request)
+            if tracker.closing and request.method not in _READ_METHODS:
+                # New work on a keep-alive connection after shutdown began (reads — health checks,
+                # describe, metrics — are still answered while the in-flight requests finish).
+                response = error_response(ServiceUnavailable("Conveyor is shutting down; retry on another replica"))
+                response.force_close()
+            else:
+                response = await handler(request)
+        except asyncio.CancelledError:
+            if deadline is None or not deadline.expired:
+                raise  # the client went away (handler_cancellation) or the server stops
+            announced = f"{request.content_length} bytes announced" if request.content_length is not None else "chunked"
+            response = error_response(RequestTimeout(
+                f"The request body was not received within request_body_timeout={body_timeout:g} s ({announced})"))
+            response.force_close()
         except ConveyorError as exc:
             response = error_response(exc)
         except web.HTTPException as exc:
@@ -88,6 +189,10 @@ def make_middlewares(api: str, metrics: ServerMetrics, authorizer: Authorizer) -
         except Exception as exc:  # a bug: answer 500 JSON, keep serving
             log.exception("unhandled error in %s %s", request.method, request.path)
             response = error_response(ConveyorError(f"internal error: {type(exc).__name__}"))
+        finally:
+            tracker.leave()
+            if deadline is not None:
+                deadline.cancel()
         requests_counter.labels(api, status_class(response.status)).inc()
         return response
 
@@ -106,7 +211,113 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
         response.headers[REQUEST_ID_HEADER] = rid
 
 
-def make_app(api: str, metrics: ServerMetrics, authorizer: Authorizer, client_max_size: int = 1024 ** 2) -> web.Application:
-    app = web.Application(middlewares=make_middlewares(api, metrics, authorizer), client_max_size=client_max_size)
+def make_app(api: str, metrics: ServerMetrics, authorizer: Authorizer, client_max_size: int = 1024 ** 2,
+             in_flight: InFlight | None = None, body_timeout: float | None = None) -> web.Application:
+    app = web.Application(middlewares=make_middlewares(api, metrics, authorizer, in_flight, body_timeout),
+                          client_max_size=client_max_size)
     app.on_response_prepare.append(add_request_id)
     return app
+
+
+# Listener guards ----------------------------------------------------------------------------------
+
+
+def _error_type(status: int) -> str:
+    if status == 400:
+        return "BadRequestException"
+    if status == 413:
+        return "RequestEntityTooLargeException"
+    return HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Exception"
+
+
+def _error_body(status: int, message: str) -> bytes:
+    return json.dumps({"code": status, "type": _error_type(status), "message": message}).encode()
+
+
+class _JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering its own errors (unparsable request, header too long,
+    bad Content-Length...) with TorchServe's JSON instead of text, and logging 4xx quietly: hostile
+    or broken clients must not fill the log with tracebacks."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            self.logger.debug("bad request from %s: %s", request.remote, message or exc)
+        if request.writer.output_size > 0:  # as aiohttp: a started response cannot become an error
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        text = message or (str(exc) if exc is not None and str(exc) else HTTPStatus(status).phrase)
+        response = web.Response(body=_error_body(status, text), status=status, content_type="application/json")
+        response.force_close()
+        return response
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over ``max_connections``: once its request head is in (or after 2 s), answer
+    503 JSON and close. Never reaches the application."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._transport: asyncio.Transport | None = None
+        self._head = b""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._timer = asyncio.get_running_loop().call_later(2.0, self._answer)
+
+    def data_received(self, data: bytes) -> None:
+        self._head = (self._head + data)[-65536:]
+        if b"\r\n\r\n" in self._head or len(self._head) >= 65536:
+            self._answer()
+
+    def _answer(self) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
+        body = _error_body(503, f"Too many open connections (max_connections={self._limit}); retry later")
+        self._transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                              b"Retry-After: 1\r\nConnection: close\r\n"
+                              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._transport = None
+
+
+class _GuardedServer(web.Server):
+    """The protocol factory of one listener: JSON errors, and at most ``max_connections`` open."""
+
+    max_connections: int = 1024
+    num_refused: int = 0
+
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            self.num_refused += 1
+            if self.num_refused == 1 or self.num_refused % 1000 == 0:
+                log.warning("refused a connection: %d open (max_connections=%d); %d refused so far",
+                            len(self.connections), self.max_connections, self.num_refused)
+            return _Refusal(self.max_connections)
+        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GuardedAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose listeners use ``_GuardedServer``."""
+
+    __slots__ = ("max_connections",)
+
+    def __init__(self, app: web.Application, *, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp builds the Server inside Application._make_handler; only its protocol factory
+        # (``__call__``) changes, so adopting the instance keeps every other behaviour as is.
+        server.__class__ = _GuardedServer
+        server.max_connections = self.max_connections  # type: ignore[attr-defined]
+        return server

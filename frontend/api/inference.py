@@ -17,7 +17,7 @@ from frontend.errors import ConveyorError
 from frontend.jobs import Job
 from frontend.metrics import ServerMetrics, status_class
 from frontend.models import ModelRegistry
-from frontend.models.health import health_status
+from frontend.models.health import health_status, unhealthy_models
 from frontend.sinks import ResponseSink
 
 
@@ -40,7 +40,10 @@ class InferenceApi:
     async def ping(self, request: web.Request) -> web.Response:
         """TorchServe's health rule over default versions: Healthy, Partial Healthy or Unhealthy."""
         status = health_status(self.registry)
-        return json_response({"status": status}, status=500 if status == "Unhealthy" else 200)
+        body: dict[str, object] = {"status": status}
+        if status != "Healthy":  # which models are down, and why (absent when all is well, as TorchServe)
+            body["unhealthyModels"] = unhealthy_models(self.registry)
+        return json_response(body, status=500 if status == "Unhealthy" else 200)
 
     async def describe_api(self, request: web.Request) -> web.Response:
         return json_response(api_description("inference"))

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from frontend.api.common import json_response
 from frontend.api.openapi import api_description
+from frontend.auth import MODEL_NAME, check_registration_url
 from frontend.config import ServerConfig
 from frontend.errors import BadRequest, MethodNotAllowed, ModelLoadError
 from frontend.models import ModelRegistry
@@ -42,9 +43,12 @@ def _opt_int_param(params: Mapping[str, Any], name: str, minimum: int = 0, maxim
     value = params.get(name)
     if value is None or value == "":
         return None
+    # JSON bodies: true is not 1, and 1.5 is not 1.
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise BadRequest(f"Parameter {name} must be an integer, got {value!r}")
     try:
         number = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise BadRequest(f"Parameter {name} must be an integer, got {value!r}") from None
     if not minimum <= number <= maximum:
         raise BadRequest(f"Parameter {name} must be between {minimum} and {maximum}, got {number}")
@@ -113,14 +117,22 @@ class ManagementApi:
         if request.content_type == "application/json" and request.can_read_body:
             try:
                 body = json.loads(await request.read() or b"{}")
-            except ValueError as exc:
-                raise BadRequest(f"register request body is not valid JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+                raise BadRequest(f"register request body is not valid JSON: {type(exc).__name__}: {exc}") from None
             if not isinstance(body, dict):
                 raise BadRequest("register request body must be a JSON object")
             params.update(body)
         url = params.get("url")
         if not url or not isinstance(url, str):
             raise BadRequest("Parameter url is required.")
+        check_registration_url(self.config, url)  # allowed_urls, no "..", model store only (frontend/auth.py)
+        for name in ("model_name", "handler", "runtime"):
+            if params.get(name) is not None and not isinstance(params[name], str):
+                raise BadRequest(f"Parameter {name} must be a string")
+        model_name = params.get("model_name")
+        if model_name and not MODEL_NAME.fullmatch(model_name):
+            raise BadRequest(f"Parameter model_name {model_name!r} is invalid: use letters, digits, '_', '-' and '.', "
+                             "starting with a letter or digit, at most 128 characters")
         runtime = params.get("runtime")
         if runtime not in (None, "", "python", "python3"):
             raise BadRequest(f"Parameter runtime must be python, got {runtime!r}")

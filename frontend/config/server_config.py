@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -55,6 +56,13 @@ DEFAULTS: dict[str, str] = {
     "number_of_gpu": "0",
     "enable_envvars_config": "false",
     "default_service_handler": "",
+    # Reliability and access control (docs/reliability.md).
+    "token_expiration_min": "60",  # TorchServe's: minutes the inference and management keys live
+    "token_key_file": "",  # where key_file.json goes; "" = ./key_file.json (TorchServe: the working dir)
+    "allow_paths_outside_model_store": "false",  # register API: absolute paths / file:// outside the store
+    "max_connections": "1024",  # open connections per HTTP listener; more get 503
+    "graceful_shutdown_timeout": "30",  # seconds in-flight requests get at SIGTERM / `conveyor stop`
+    "request_body_timeout": "60",  # seconds a client may take to send a request body; then 408
 }
 
 # TorchServe keys accepted for compatibility that have no effect here (no JVM, no netty, no snapshots).
@@ -68,7 +76,7 @@ IGNORED_KEYS = frozenset({
     "private_key_file", "certificate_file", "grpc_inference_address", "grpc_management_address",
     "disable_system_metrics", "system_metrics_cmd", "workflow_store", "limit_max_image_pixels",
     "initial_worker_port", "initial_distribution_port", "use_env_allowed_urls", "default_gpu",
-    "maxRetryTimeoutInSec", "max_connections",
+    "maxRetryTimeoutInSec",
 })
 
 _ENV_REF = re.compile(r"\$\$([^$]+)\$\$")
@@ -130,6 +138,12 @@ class ServerConfig:
     number_of_gpu: int
     default_service_handler: str
     config_file: Path | None  # the properties file read, if any
+    token_expiration_min: float = 60.0
+    token_key_file: Path | None = None  # None: key_file.json in the working directory at start
+    allow_paths_outside_model_store: bool = False
+    max_connections: int = 1024
+    graceful_shutdown_timeout: float = 30.0
+    request_body_timeout: float = 60.0
     extra: Mapping[str, str] = field(default_factory=dict)  # unknown keys, kept for handlers/logs
 
     def url_allowed(self, url: str) -> bool:
@@ -231,6 +245,16 @@ def load_server_config(
         value, where = get(key)
         return as_bool(key, value, where)
 
+    def positive_number(key: str, allow_zero: bool = False) -> float:
+        value, where = get(key)
+        try:
+            number = float(value)
+        except ValueError:
+            raise fail(key, value, where, "must be a number") from None
+        if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+            raise fail(key, value, where, "must be >= 0" if allow_zero else "must be > 0")
+        return number
+
     def address(key: str) -> Address:
         value, where = get(key)
         return Address.parse(key, as_str(key, value, where), where)
@@ -303,5 +327,11 @@ def load_server_config(
         number_of_gpu=number_of_gpu,
         default_service_handler=get("default_service_handler")[0].strip(),
         config_file=config_file,
+        token_expiration_min=positive_number("token_expiration_min"),
+        token_key_file=Path(key_file).expanduser() if (key_file := get("token_key_file")[0].strip()) else None,
+        allow_paths_outside_model_store=boolean("allow_paths_outside_model_store"),
+        max_connections=integer("max_connections", minimum=1),
+        graceful_shutdown_timeout=positive_number("graceful_shutdown_timeout", allow_zero=True),
+        request_body_timeout=positive_number("request_body_timeout"),
         extra={k: v for k, v in props.items() if k not in DEFAULTS},
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from frontend.auth import check_registration_url
 from frontend.config import ServerConfig
 from frontend.errors import BadRequest, ConveyorError, MethodNotAllowed, ModelLoadError
 from frontend.grpc_api.inference_service import Authorize
@@ -76,6 +77,7 @@ class ManagementService(management_pb2_grpc.ManagementAPIsServiceServicer):
                 raise MethodNotAllowed(_MODEL_API_DISABLED)
             if not request.url:
                 raise BadRequest("Parameter url is required.")
+            check_registration_url(self.config, request.url)  # the REST register API's rule (frontend/auth.py)
             if request.runtime not in ("", "python", "python3"):
                 raise BadRequest(f"Parameter runtime must be python, got {request.runtime!r}")
             for name in ("batch_size", "max_batch_delay", "response_timeout", "initial_workers"):

@@ -19,6 +19,8 @@ from typing import Mapping
 
 READY_PREFIX = b"CONVEYOR_WORKER_LISTENING"
 STDERR_TAIL_LINES = 20
+# 128 + SIGKILL: how shells and container runtimes report a process the OOM killer took.
+OOM_EXIT_CODE = 137
 
 
 class SpawnError(Exception):
@@ -26,7 +28,7 @@ class SpawnError(Exception):
 
 
 class WorkerProcess:
-    __slots__ = ("worker_id", "sock_path", "proc", "stderr_tail", "_log", "_pumps", "_ready")
+    __slots__ = ("worker_id", "sock_path", "proc", "stderr_tail", "_log", "_pumps", "_ready", "_oom_kills_at_start")
 
     def __init__(self, worker_id: str, sock_path: Path, proc: asyncio.subprocess.Process) -> None:
         self.worker_id = worker_id
@@ -35,6 +37,7 @@ class WorkerProcess:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._log = logging.getLogger(f"conveyor.worker.{worker_id}")
         self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._oom_kills_at_start = oom_kill_count()
         # Both pipes are drained from the start: a worker that logs a lot while loading must never
         # block on a full pipe.
         self._pumps = [
@@ -97,6 +100,18 @@ class WorkerProcess:
                 self.stderr_tail.append(text)
             self._log.info("%s", text)
 
+    def out_of_memory(self) -> bool:
+        """Did the process die for lack of memory? Exit code 137, or SIGKILL while the kernel's
+        OOM-kill count of our cgroup went up (a heuristic: another process of the cgroup may have
+        been the victim at the same moment)."""
+        code = self.proc.returncode
+        if code == OOM_EXIT_CODE:
+            return True
+        if code != -signal.SIGKILL or self._oom_kills_at_start is None:
+            return False
+        now = oom_kill_count()
+        return now is not None and now > self._oom_kills_at_start
+
     def stderr_summary(self) -> str:
         if not self.stderr_tail:
             return ""
@@ -139,9 +154,38 @@ class WorkerProcess:
             pass
 
 
+def oom_kill_count() -> int | None:
+    """The kernel's OOM-kill counter of this process's memory cgroup (v2 ``memory.events`` or v1
+    ``memory.oom_control``); None when neither is readable."""
+    candidates: list[Path] = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                candidates.append(Path(f"/sys/fs/cgroup{path.rstrip('/')}/memory.events"))
+            elif "memory" in controllers.split(","):
+                candidates.append(Path(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control"))
+    except (OSError, ValueError):
+        pass
+    # Inside a container the cgroup is usually mounted as the root of the hierarchy.
+    candidates += [Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control")]
+    for candidate in candidates:
+        try:
+            text = candidate.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
 def describe_exit(returncode: int | None) -> str:
     if returncode is None:
         return "no exit status"
+    if returncode == OOM_EXIT_CODE:
+        return f"exit code {OOM_EXIT_CODE} (128 + SIGKILL: killed, usually out of memory)"
     if returncode < 0:
         try:
             return f"signal {signal.Signals(-returncode).name}"

@@ -30,7 +30,7 @@ class RecordingService:
 def test_start_serve_and_stop_cleanly() -> None:
     config = load_server_config(None, overrides={
         "inference_address": "http://127.0.0.1:0", "management_address": "http://127.0.0.1:0",
-        "metrics_address": "http://127.0.0.1:0",
+        "metrics_address": "http://127.0.0.1:0", "disable_token_authorization": "true",
     })
     events: list[str] = []
 

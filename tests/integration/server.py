@@ -58,7 +58,10 @@ class ConveyorProcess:
         properties: Mapping[str, str] | None = None,
         args: Sequence[str] = ("--enable-model-api",),
         env: Mapping[str, str] | None = None,
+        token_auth: bool = False,
     ) -> None:
+        """``token_auth=False`` (the default, as TorchServe's own tests do) adds
+        ``--disable-token-auth``; tests/integration/test_auth.py turns it on."""
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.ports = {name: free_port() for name in ("inference", "management", "metrics")}
@@ -73,6 +76,8 @@ class ConveyorProcess:
         self.log_path = workdir / "server.log"
         self.argv = [sys.executable, "-m", "frontend.cli", "start", "--foreground",
                      "--ts-config", str(self.config_path), "--pid-file", str(self.pid_file), *args]
+        if not token_auth:
+            self.argv.append("--disable-token-auth")
         if model_store is not None:
             self.argv += ["--model-store", str(model_store)]
         if models:

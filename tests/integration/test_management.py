@@ -81,11 +81,13 @@ def test_list_models_paginates(server: ConveyorProcess) -> None:
     assert second["models"] == everything["models"][1:2]
 
 
-def test_versions_and_set_default(server: ConveyorProcess, tmp_path: Path) -> None:
+def test_versions_and_set_default(server: ConveyorProcess, model_store: Path) -> None:
     mgmt = server.management
-    v2 = build_mar(tmp_path, "echo", EXAMPLES / "echo" / "echo_handler.py", EXAMPLES / "echo" / "model-config.yaml",
-                   version="2.0")
-    response = requests.post(f"{mgmt}/models", params={"url": str(v2), "initial_workers": "1"}, timeout=60)
+    # Inside the model store: the register API refuses paths outside it (allow_paths_outside_model_store).
+    (model_store / "v2").mkdir(exist_ok=True)
+    build_mar(model_store / "v2", "echo", EXAMPLES / "echo" / "echo_handler.py", EXAMPLES / "echo" / "model-config.yaml",
+              version="2.0")
+    response = requests.post(f"{mgmt}/models", params={"url": "v2/echo.mar", "initial_workers": "1"}, timeout=60)
     assert response.status_code == 200, response.text
     try:
         everything = requests.get(f"{mgmt}/models/echo/all", timeout=10).json()
