@@ -152,3 +152,30 @@ def test_grpc_next_to_rest(grpc_server: ConveyorProcess) -> None:
     import requests
 
     assert requests.get(grpc_server.inference + "/ping", timeout=10).status_code == 200
+
+
+def test_token_auth_on_both_grpc_apis(tmp_path: Path, ts_stubs: SimpleNamespace) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    build_mar(store, "echo", EXAMPLES / "echo" / "echo_handler.py", EXAMPLES / "echo" / "model-config.yaml")
+    with ConveyorProcess(tmp_path / "srv", model_store=store, models=["echo=echo.mar"], token_auth=True) as proc:
+        keys = json.loads((tmp_path / "srv" / "key_file.json").read_text())
+        inference_key, management_key = keys["inference"]["key"], keys["management"]["key"]
+        with grpc.insecure_channel(f"127.0.0.1:{proc.ports['grpc_inference']}") as channel:
+            stub = ts_stubs.inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+            request = ts_stubs.inference_pb2.PredictionsRequest(model_name="echo", input={"data": b"k"})
+            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", f"Bearer {management_key}"),)):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Predictions(request, timeout=10, metadata=metadata)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = stub.Predictions(request, timeout=10, metadata=(("authorization", f"Bearer {inference_key}"),))
+            assert ok.prediction == b"k"
+        with grpc.insecure_channel(f"127.0.0.1:{proc.ports['grpc_management']}") as channel:
+            stub = ts_stubs.management_pb2_grpc.ManagementAPIsServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ListModels(ts_stubs.management_pb2.ListModelsRequest(), timeout=10,
+                                metadata=(("authorization", f"Bearer {inference_key}"),))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            listed = stub.ListModels(ts_stubs.management_pb2.ListModelsRequest(), timeout=10,
+                                     metadata=(("authorization", f"Bearer {management_key}"),))
+            assert json.loads(listed.msg)["models"][0]["modelName"] == "echo"
