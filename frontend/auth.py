@@ -55,6 +55,9 @@ _BEARER = re.compile(r"Bearer[ \t]+(\S+)[ \t]*", re.IGNORECASE)
 # (api, canonical route, method or None for any) that need no key: health checks and API descriptions.
 _OPEN_ROUTES = frozenset({
     ("inference", "/ping", None), ("inference", "/api-description", None), ("inference", "/", "OPTIONS"),
+    # Health probes of KServe / Kubernetes (frontend/api/kserve.py): like /ping, no key needed.
+    ("inference", "/health", "GET"), ("inference", "/v2/health/live", "GET"), ("inference", "/v2/health/ready", "GET"),
+    ("inference", "/v2/models/{model}/ready", "GET"), ("inference", "/v2/models/{model}/versions/{version}/ready", "GET"),
     ("management", "/api-description", None), ("management", "/", "OPTIONS"),
 })
 TOKEN_ROUTE = "/token"

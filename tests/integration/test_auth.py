@@ -245,3 +245,11 @@ def test_key_file_lives_with_the_server_and_auth_can_be_turned_off(model_store: 
         assert reply.status_code == 200
         assert requests.get(f"{server.management}/models", timeout=10).status_code == 200
         assert requests.get(f"{server.management}/token", params={"type": "inference"}, timeout=10).status_code == 404
+
+
+def test_health_probes_need_no_key(model_store: Path, tmp_path: Path) -> None:
+    """Kubernetes / KServe probes carry no token: /ping, /health and the v2 health routes stay open."""
+    with ConveyorProcess(tmp_path / "srv", model_store=model_store, models=["echo=echo.mar"], token_auth=True) as proc:
+        for path in ("/ping", "/health", "/v2/health/live", "/v2/health/ready", "/v2/models/echo/ready"):
+            assert requests.get(proc.inference + path, timeout=10).status_code == 200, path
+        assert requests.get(proc.inference + "/v2/models/echo", timeout=10).status_code == 401
