@@ -12,6 +12,13 @@ Contract per frame (docs/llm.md has the full reference):
 - The result for each idx is a dict `{"text", "token_ids", "finish_reason", "prompt_tokens",
   "completion_tokens"}` and `context.set_done(idx, finish_reason is not None)`. An invalid
   request gets status 400 and `{"error": message}`, done; the others are unaffected.
+- Without `continuousBatching: true` in model-config.yaml the frontend sends each request once
+  (dynamic batching): one `handle()` call then runs its frame's requests to the end (static
+  batching), streaming every step's chunks as intermediate replies; new requests wait for the next
+  frame.
+- A request carrying the header `x-conveyor-llm-stats` gets the engine's load after the step in the
+  response header of the same name (`kv_tokens=..;kv_capacity=..;running=..;waiting=..`): the OpenAI
+  routes read it for the KV-cache and queue gauges (it never reaches their clients).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 
 import torch
 
+from backend.handler_utils import send_intermediate_predict_response
 from handlers.llm_engine import EngineConfig, LLMEngine, StepOutput
 from handlers.llm_requests import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -38,9 +46,11 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "model-config.yaml"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_RECENTLY_CANCELLED = 4096
+_RECENTLY_CANCELLED = 4096  # ids remembered so a late frame still gets finish_reason "cancelled"
 DEFAULT_MAX_BATCH_TOKENS = 16384
-DEFAULT_PREFILL_CHUNK_SIZE = 256  # ids remembered so a late frame still gets finish_reason "cancelled"
+DEFAULT_PREFILL_CHUNK_SIZE = 256
+# Request header that asks for the engine's load with every chunk, and the response header carrying it.
+STATS_HEADER = "x-conveyor-llm-stats"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +175,27 @@ class TextGenerationHandler:
         engine = self._engine()
         cancelled_now = {str(request_id) for request_id in context.cancelled_request_ids or ()}
         self.cancel(sorted(cancelled_now))
+        results, frame = self._take_frame(data, context, cancelled_now)
+        if not _continuous(context):
+            return self._run_to_completion(results, frame, context)
+        for request_id in engine.request_ids():
+            if request_id not in frame:
+                logger.warning("request %s is live but absent from the frame without a cancel: freeing it", request_id)
+                engine.cancel(request_id)
+        outputs = self._step(results, frame, context)
+        if outputs is None:
+            return results  # type: ignore[return-value]
+        stats = self._stats()
+        for request_id, idx in frame.items():
+            results[idx] = self._finish(context, idx, outputs[request_id], stats)
+        return results  # type: ignore[return-value]
+
+    def _take_frame(
+        self, data: list[Any], context: Any, cancelled_now: set[str]
+    ) -> tuple[list[dict[str, Any] | None], dict[str, int]]:
+        """Queue the frame's new requests; answer at once the ones that cannot run (errors, cancelled).
+        Returns the results so far (None = to be filled by the step) and {request id: idx} to step."""
+        engine = self._engine()
         results: list[dict[str, Any] | None] = [None] * len(data)
         frame: dict[str, int] = {}
         for idx, item in enumerate(data):
@@ -195,20 +226,52 @@ class TextGenerationHandler:
                     results[idx] = self._error(context, idx, 500, f"request {request_id!r} is not active in this worker")
                 continue
             frame[request_id] = idx
-        for request_id in engine.request_ids():
-            if request_id not in frame:
-                logger.warning("request %s is live but absent from the frame without a cancel: freeing it", request_id)
-                engine.cancel(request_id)
+        return results, frame
+
+    def _step(
+        self, results: list[dict[str, Any] | None], frame: dict[str, int], context: Any
+    ) -> dict[str, StepOutput] | None:
+        """One engine step; on failure every request of the frame gets 500 and None is returned."""
+        engine = self._engine()
         try:
-            outputs = engine.step()
+            return engine.step()
         except Exception:
             logger.exception("text_generation step failed; aborting all %d requests", engine.num_active_requests)
             engine.abort_all()
             for idx in frame.values():
                 results[idx] = self._error(context, idx, 500, "generation failed in the model worker")
-            return results  # type: ignore[return-value]
-        for request_id, idx in frame.items():
-            results[idx] = self._finish(context, idx, outputs[request_id])
+            return None
+
+    def _run_to_completion(
+        self, results: list[dict[str, Any] | None], frame: dict[str, int], context: Any
+    ) -> list[dict[str, Any]]:
+        """Static batching (continuousBatching off): the frontend sends each request once, so this
+        frame's requests run here until the last one ends; nothing joins meanwhile. Each step's
+        chunks go out as an intermediate reply; a request's final chunk is the frame's return value
+        (its stream ends when the batch does, which is what request-level batching costs)."""
+        running = dict(frame)
+        finals: dict[int, StepOutput] = {}
+        sender = getattr(context, "intermediate_sender", None)
+        while running:
+            outputs = self._step(results, running, context)
+            if outputs is None:
+                return results  # type: ignore[return-value]
+            stats = self._stats()
+            partial: list[dict[str, Any] | None] = [None] * len(results)
+            to_send: dict[int, str] = {}
+            for request_id, idx in list(running.items()):
+                output = outputs[request_id]
+                if output.finish_reason is not None:
+                    finals[idx] = output
+                    del running[request_id]
+                elif output.token_ids or output.text:  # skip the empty chunks of a wait or a chunked prefill
+                    partial[idx] = self._finish(context, idx, output, stats)
+                    to_send[idx] = request_id
+            if to_send and running and sender is not None:
+                send_intermediate_predict_response(partial, to_send, "", 200, context)
+        stats = self._stats()
+        for idx, output in finals.items():
+            results[idx] = self._finish(context, idx, output, stats)
         return results  # type: ignore[return-value]
 
     def cancel(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -223,6 +286,9 @@ class TextGenerationHandler:
                 self._recently_cancelled.popitem(last=False)
             if output is not None:
                 finals[request_id] = output.to_dict()
+                # One line per cancelled stream: operators (and tests) see that the state went at once.
+                logger.info("request %s cancelled: its state is freed (%d live requests, %d KV tokens held)",
+                            request_id, engine.num_active_requests, engine.kv_cache_tokens)
         return finals
 
     def parse(self, body: Any) -> ParsedRequest:
@@ -248,10 +314,19 @@ class TextGenerationHandler:
             raise RuntimeError("TextGenerationHandler used before initialize()")
         return self.engine
 
+    def _stats(self) -> str:
+        """The engine's load after this step, in the STATS_HEADER format."""
+        engine = self._engine()
+        return (f"kv_tokens={engine.kv_cache_tokens};kv_capacity={engine.config.max_batch_tokens};"
+                f"running={engine.num_running_requests + engine.num_prefilling_requests};"
+                f"waiting={engine.num_waiting_requests}")
+
     @staticmethod
-    def _finish(context: Any, idx: int, output: StepOutput) -> dict[str, Any]:
+    def _finish(context: Any, idx: int, output: StepOutput, stats: str | None = None) -> dict[str, Any]:
         context.set_response_content_type(idx, "application/json")
         context.set_done(idx, output.finish_reason is not None)
+        if stats is not None and context.get_request_header(idx, STATS_HEADER) is not None:
+            context.set_response_header(idx, STATS_HEADER, stats)
         return output.to_dict()
 
     @staticmethod
@@ -264,6 +339,12 @@ class TextGenerationHandler:
 
 def _cancelled(request_id: str) -> StepOutput:
     return StepOutput(request_id, "", [], "cancelled", 0, 0)
+
+
+def _continuous(context: Any) -> bool:
+    """Whether the frontend runs this model with continuous batching (model-config.yaml)."""
+    value = (getattr(context, "model_yaml_config", None) or {}).get("continuousBatching", False)
+    return value.strip().lower() == "true" if isinstance(value, str) else bool(value)
 
 
 def _device(context: Any) -> torch.device:

@@ -2,7 +2,8 @@
 
     python examples/tiny_llm/build_tiny_llm.py --out /tmp/tiny-llm
     python examples/tiny_llm/build_tiny_llm.py --out /tmp/llm-27m --hidden 512 --layers 8 --heads 8
-    python examples/tiny_llm/build_tiny_llm.py --out /tmp/tiny-llm --archive   # also writes tiny-llm.mar
+    python examples/tiny_llm/build_tiny_llm.py --out /tmp/tiny-llm --archive   # also writes /tmp/tiny-llm.mar
+    python examples/tiny_llm/build_tiny_llm.py --out examples/tiny_llm/build/tiny_llm --archive --export-path model_store
 
 The result is an ordinary Hugging Face checkpoint directory (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json with a chat template, generation_config.json) plus a
@@ -191,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="max_position_embeddings")
     parser.add_argument("--init-std", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--archive", action="store_true", help="also write <out>/../<name>.mar")
+    parser.add_argument("--archive", action="store_true", help="also write <name>.mar (into --export-path)")
+    parser.add_argument("--export-path", type=Path, default=None,
+                        help="directory for --archive's .mar, e.g. model_store (default: the parent of --out)")
     parser.add_argument("--name", default=None, help="model name for --archive (default: basename of --out)")
     args = parser.parse_args(argv)
 
@@ -216,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         f"hidden {config['hidden_size']}, layers {config['num_hidden_layers']}, {num_params / 1e6:.1f} M params"
     )
     if args.archive:
-        mar = archive(out, out.parent, args.name or out.name)
+        export_path = (args.export_path or out.parent).resolve()  # the archiver runs in the repo root
+        export_path.mkdir(parents=True, exist_ok=True)
+        mar = archive(out.resolve(), export_path, args.name or out.name)
         if mar is None:
             return 1
         print(f"wrote {mar}")
