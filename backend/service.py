@@ -9,6 +9,14 @@ Per request state (``WireRequest.state``):
 * CANCEL — the id is forgotten and passed, with the frame's other cancels, to the handler's cancel
   hook once, before ``handle``. It is absent from ``data`` and ``context.request_ids``.
 
+State probe: a CONTINUE for the reserved id ``STATE_PROBE_ID`` (``#state``; an id no client can
+have, see frontend/api/common.py) never reaches the handler. It is answered, last in the final
+reply and after the rest of the frame ran, with 200 and a JSON body of the worker's per-request
+state: ``{"num_active": len(active)}`` plus the handler's own ``num_live_requests`` /
+``num_live_sequences`` when it has them (an int attribute or property, or a zero-argument method).
+The frontend sends one only when asked (``GET /models/{m}?state=true``), so leaked state is
+observable from outside at no cost to ordinary frames.
+
 Results: one per request in ``data``, matched by id. ``done`` is, in order of precedence:
 ``context.set_done(idx, ...)`` if called; else ``context.stopping_criteria[idx](output)`` if that
 exists and returns True/False (None: no opinion); else True. A done or failed request leaves
@@ -18,6 +26,8 @@ frame, an oversize or unserialisable output), it calls the cancel hook for it to
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -28,10 +38,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from backend.context import Context, RequestEntry
 from backend.errors import PredictionException, status_for_exception
 from backend.handler_loader import LoadedHandler
-from backend.payloads import UnsupportedOutput, build_headers, build_input, encode_output
+from backend.payloads import UnsupportedOutput, build_headers, build_input, decoding_enabled, encode_output
 from backend.protocol import InferReply, InferRequest, RequestFlags, RequestState, WireResult
 
 logger = logging.getLogger("conveyor.service")
+
+# The reserved request id of a state probe (module docstring); frontend/workers/worker.py sends it.
+STATE_PROBE_ID = "#state"
+# Optional handler attributes reported, under the same names, in a state probe's answer.
+HANDLER_STATE_COUNTS = ("num_live_requests", "num_live_sequences")
 
 
 @dataclass(slots=True)
@@ -74,8 +89,13 @@ class Service:
         seen: set[str] = set()
         keys = (self.context.header_key_sequence_id, self.context.header_key_sequence_start,
                 self.context.header_key_sequence_end)
+        decode = decoding_enabled()  # TorchServe's environment switch, read once per frame
+        probed = False
         for req in frame.requests:
             rid = req.request_id
+            if rid == STATE_PROBE_ID:
+                probed = True
+                continue
             if rid in seen:
                 logger.warning("frame %d: request %s appears twice; the repeat is ignored", frame.frame_id, rid)
                 continue
@@ -86,7 +106,7 @@ class Service:
                     del self.active[rid]
                 entry = ActiveRequest(rid, req.sequence_id, req.flags,
                                       build_headers(req.headers, req.parameters, req.sequence_id, req.flags, keys),
-                                      build_input(req.parameters))
+                                      build_input(req.parameters, decode))
                 self.active[rid] = entry
                 entries.append((entry, True))
             elif req.state == RequestState.CONTINUE:
@@ -104,10 +124,31 @@ class Service:
             self._cancel(cancelled, "cancelled by the frontend")
         if len(self.active) > self.max_active:
             self._evict(seen)
-        if not entries:
-            return InferReply(frame.frame_id, True, tuple(results))
-        results.extend(self._run(frame.frame_id, entries, cancelled))
+        if entries:
+            results.extend(self._run(frame.frame_id, entries, cancelled))
+        if probed:
+            results.append(self.state_result())
         return InferReply(frame.frame_id, True, tuple(results))
+
+    def state_counts(self) -> dict[str, int]:
+        """The worker's per-request state: its ``active`` table and the handler's own counts."""
+        counts = {"num_active": len(self.active)}
+        owner = self.handler.instance if self.handler.instance is not None else inspect.getmodule(self.handler.handle)
+        for name in HANDLER_STATE_COUNTS:
+            try:
+                value = getattr(owner, name, None)
+                if callable(value):
+                    value = value()
+                if isinstance(value, int) and not isinstance(value, bool):
+                    counts[name] = value
+            except Exception:  # a broken counter must not fail the frame it rides on
+                logger.warning("handler %s: reading %s failed", self.handler.description, name, exc_info=True)
+        return counts
+
+    def state_result(self) -> WireResult:
+        """The answer to a state probe (module docstring)."""
+        body = json.dumps(self.state_counts()).encode()
+        return WireResult(STATE_PROBE_ID, 200, True, "", "application/json", (), body)
 
     def _run(self, frame_id: int, entries: Sequence[tuple[ActiveRequest, bool]], cancelled: list[str]) -> list[WireResult]:
         ctx = self.context

@@ -51,7 +51,7 @@ from backend.protocol import (
     RequestState,
     Shutdown,
     WireResult,
-    recv_message,
+    SocketReader,
     send_message,
 )
 from backend.service import Service
@@ -153,13 +153,14 @@ def load_model(req: LoadRequest, num_threads: int, send) -> tuple[Optional[Servi
 def serve(conn: socket.socket, args: argparse.Namespace) -> int:
     max_payload = DEFAULT_MAX_PAYLOAD + args.max_request_size
     service: Optional[Service] = None
+    reader = SocketReader(conn)
 
     def send(msg) -> None:
         send_message(conn, msg)
 
     while True:
         try:
-            msg = recv_message(conn, max_payload)
+            msg = reader.recv_message(max_payload)
         except ConnectionClosed as exc:
             logger.info("frontend closed the connection%s; exiting", " mid-frame" if exc.partial else "")
             return EXIT_OK

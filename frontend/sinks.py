@@ -38,17 +38,25 @@ def failure_error(status: int, message: str) -> ConveyorError:
 
 
 class ResponseSink:
-    __slots__ = ("_items", "_ready", "closed")
+    """One consumer (the request's coroutine) awaits ``next``; while it waits, ``_waiter`` is the
+    future it sleeps on (a bare future: cheaper than an asyncio.Event on this per-request path)."""
+
+    __slots__ = ("_items", "_waiter", "closed")
 
     def __init__(self) -> None:
         self._items: collections.deque[WireResult | Failure] = collections.deque()
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self.closed = False  # the client is gone: drop what arrives
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def deliver(self, result: WireResult) -> None:
         if not self.closed:
             self._items.append(result)
-            self._ready.set()
+            self._wake()
 
     def fail(self, status: int, message: str) -> None:
         self.fail_error(failure_error(status, message))
@@ -56,12 +64,15 @@ class ResponseSink:
     def fail_error(self, error: ConveyorError) -> None:
         if not self.closed:
             self._items.append(Failure(error))
-            self._ready.set()
+            self._wake()
 
     async def next(self) -> WireResult | Failure:
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return self._items.popleft()
 
     def close(self) -> None:

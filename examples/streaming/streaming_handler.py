@@ -11,7 +11,8 @@ response is N chunks, each JSON ``{"i": k, "of": N}`` for k = 0 … N-1.
 Each frame sleeps the largest ``step_ms`` of its requests (a fixed per-step cost for benchmarks) and
 logs ``STEP frame=<k> new=<ids> continuing=<ids> cancelled=<ids>`` to stderr, so tests can prove
 that requests joined a running batch. ``cancel(request_ids)`` frees a request's state at once and
-logs ``CANCEL ids=<ids>``.
+logs ``CANCEL ids=<ids>``. ``num_live_requests`` (the streams it holds state for) is what the
+worker reports to a state probe (``GET /models/{m}?state=true``): 0 once no stream runs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class StreamingHandler:
         self.steps: dict[str, int] = {}  # request id -> chunks already emitted
         self.num_frames = 0
         self.initialized = False
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.steps)
 
     def initialize(self, context: Context) -> None:
         self.context = context

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -26,6 +27,8 @@ class InferenceApi:
         self.registry = registry
         self.config = config
         self.metrics = metrics
+        self._requests: dict[tuple[str, int], Any] = {}  # (model, status) → counter child
+        self._latency: dict[str, Any] = {}  # model → histogram child
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/ping", self.ping)
@@ -101,5 +104,16 @@ class InferenceApi:
                 # aggregator drops the queued job or sends one CANCEL for a running one.
                 sink.close()
                 model.batcher.cancel(job)
-            self.metrics.inference_requests.labels(model.name, status_class(status)).inc()
-            self.metrics.inference_latency.labels(model.name).observe(time.monotonic() - started)
+            self._count(model.name, status, time.monotonic() - started)
+
+    def _count(self, model_name: str, status: int, seconds: float) -> None:
+        # Label children are looked up once per (model, status): labels() costs more than inc().
+        counter = self._requests.get((model_name, status))
+        if counter is None:
+            counter = self._requests[(model_name, status)] = self.metrics.inference_requests.labels(
+                model_name, status_class(status))
+        counter.inc()
+        latency = self._latency.get(model_name)
+        if latency is None:
+            latency = self._latency[model_name] = self.metrics.inference_latency.labels(model_name)
+        latency.observe(seconds)

@@ -2,7 +2,7 @@
 
   GET    /models?limit=&next_page_token=      list (sorted by name, default versions)
   POST   /models?url=&model_name=&...         register (405 unless enable_model_api)
-  GET    /models/{m}[/{v}|/all]               describe
+  GET    /models/{m}[/{v}|/all]?state=        describe (state=true: probe each worker's backend state)
   PUT    /models/{m}[/{v}]?min_worker=&...    scale (scale-down drains first)
   PUT    /models/{m}/{v}/set-default          default version
   DELETE /models/{m}[/{v}]                    unregister (405 unless enable_model_api)
@@ -30,6 +30,9 @@ _REGISTER_CONFIG_PARAMS = {
     "startup_timeout": "startupTimeout",
     "continuous_batching": "continuousBatching",
 }
+# How long describe?state=true waits for each worker's probe answer (a busy worker answers with its
+# next step; an idle one at once).
+STATE_PROBE_TIMEOUT = 5.0
 _MODEL_API_DISABLED = ("Model registration and unregistration are disabled; start the server with "
                        "--enable-model-api or set enable_model_api=true")
 
@@ -108,6 +111,9 @@ class ManagementApi:
             models = [entry.versions[v] for v in sorted(entry.versions)]
         else:
             models = [self.registry.get(name, version)]
+        if _bool_param(request.query, "state", False):
+            probed = [await m.probe_workers(STATE_PROBE_TIMEOUT) for m in models]
+            return json_response([m.describe(entry.default_version, p) for m, p in zip(models, probed)])
         return json_response([m.describe(entry.default_version) for m in models])
 
     async def register(self, request: web.Request) -> web.Response:

@@ -31,9 +31,10 @@ _ROUTES: dict[str, list[tuple[str, str, str, str, list[tuple[str, str, str, bool
             ("max_batch_delay", "query", "integer", False), ("response_timeout", "query", "integer", False),
             ("startup_timeout", "query", "integer", False), ("continuous_batching", "query", "boolean", False)]),
         ("get", "/models/{model_name}", "describeModel", "Describe the default version", [
-            ("model_name", "path", "string", True)]),
+            ("model_name", "path", "string", True), ("state", "query", "boolean", False)]),
         ("get", "/models/{model_name}/{model_version}", "describeVersion", "Describe a version, or all", [
-            ("model_name", "path", "string", True), ("model_version", "path", "string", True)]),
+            ("model_name", "path", "string", True), ("model_version", "path", "string", True),
+            ("state", "query", "boolean", False)]),
         ("put", "/models/{model_name}", "scaleModel", "Scale workers of the default version", [
             ("model_name", "path", "string", True), ("min_worker", "query", "integer", False),
             ("max_worker", "query", "integer", False), ("synchronous", "query", "boolean", False)]),

@@ -29,7 +29,9 @@ def check_content_length(request: web.Request, limit: int) -> None:
 
 
 async def read_parameters(request: web.Request, limit: int) -> list[InputParameter]:
-    params = [InputParameter(name, "", value.encode()) for name, value in request.query.items()]
+    # request.query parses the query string into a MultiDict: skip it when there is none.
+    params = [InputParameter(name, "", value.encode()) for name, value in request.query.items()] \
+        if request.query_string else []
     media_type = request.content_type  # lower-cased, without parameters
     if media_type == MULTIPART_FORM:
         params += await _read_multipart(request, limit)
@@ -70,7 +72,7 @@ async def _read_multipart(request: web.Request, limit: int) -> list[InputParamet
 
 
 def request_headers(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
-    return [(name, value) for name, value in headers.items()]
+    return list(headers.items())
 
 
 def sequence_fields(

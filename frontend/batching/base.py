@@ -260,3 +260,18 @@ class Aggregator(ABC):
     @abstractmethod
     def num_active(self) -> int:
         """Jobs this aggregator holds that are in the backend."""
+
+    @property
+    def num_gathered(self) -> int:
+        """Jobs taken from the queue for the next frame and not sent yet."""
+        return 0
+
+    @property
+    def num_cancels_owed(self) -> int:
+        """CANCEL entries the next frame owes the backend."""
+        return 0
+
+    def describe_state(self) -> dict[str, int]:
+        """The jobs this aggregator holds now (describe's per-worker ``state``): all 0 once idle."""
+        return {"num_running": self.num_active, "num_gathered": self.num_gathered,
+                "num_cancels_owed": self.num_cancels_owed}

@@ -54,6 +54,10 @@ class ContinuousBatching(StepAggregator):
         jobs, self._gathered = self._gathered, []
         return jobs
 
+    @property
+    def num_gathered(self) -> int:
+        return len(self._gathered)
+
     def _take_unsent(self) -> list[Job]:
         jobs, self._gathered = self._gathered, []
         return jobs

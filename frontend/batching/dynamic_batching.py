@@ -128,3 +128,7 @@ class DynamicBatching(Aggregator):
     @property
     def num_active(self) -> int:
         return len(self._in_flight)
+
+    @property
+    def num_gathered(self) -> int:
+        return len(self._gathered)

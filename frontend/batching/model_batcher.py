@@ -173,6 +173,14 @@ class ModelBatcher:
         when the model does not use sequence batching."""
         return self.sequences.describe() if self.sequences is not None else None
 
+    def describe_state(self) -> dict[str, int]:
+        """What the batcher holds now (describe's ``state``): queued jobs, and for sequence policies
+        the table's (``SequenceTable.describe_state``). Per worker: ``Aggregator.describe_state``."""
+        state = {"num_queued": len(self.queue)}
+        if self.sequences is not None:
+            state.update(self.sequences.describe_state())
+        return state
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-worker step counters: num_steps, last_batch_size (active batch size), num_cancels_sent, num_active."""
         return {worker_id: aggregator.stats() for worker_id, aggregator in self.aggregators.items()}

@@ -484,6 +484,21 @@ class SequenceTable:
         }
 
 
+    def describe_state(self) -> dict[str, int]:
+        """What the table holds now, for describe's ``state``. After a load ends and every sequence
+        ended, all 0 but the bounded ones: ``num_tombstones`` (``max_tombstones``, TTL) and
+        ``num_deadline_entries`` (stale heap entries: at most 64 + 4 × open, popped as they surface)."""
+        return {
+            "num_sequences_open": len(self._open),
+            "num_sequence_jobs_waiting": self.num_waiting,
+            "num_sequence_jobs_in_flight": sum(len(seq.in_flight) for seq in self._open.values()),
+            "num_ready_sequences": sum(len(ready) for ready in self._ready.values()),
+            "num_failures_unreported": len(self._failures),
+            "num_tombstones": len(self._tombstones),
+            "num_deadline_entries": len(self._deadlines),
+        }
+
+
 def _ms(seconds: float) -> int | float:
     ms = seconds * 1000
     return int(round(ms)) if abs(ms - round(ms)) < 1e-6 else ms

@@ -209,3 +209,7 @@ class StepAggregator(Aggregator):
     @property
     def num_active(self) -> int:
         return len(self._running)
+
+    @property
+    def num_cancels_owed(self) -> int:
+        return len(self._to_cancel)

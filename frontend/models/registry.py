@@ -69,8 +69,18 @@ class ModelVersion:
         for job, failure in self.batcher.tick():  # sequences that lost their worker
             report_failure(job, failure)
 
-    def describe(self, default_version: str) -> dict[str, Any]:
-        """TorchServe's describe-model fields, plus the rest of model-config.yaml's keys."""
+    async def probe_workers(self, timeout: float) -> dict[str, dict[str, int] | None]:
+        """Every worker's backend state, probed at once (``Worker.probe_state``): None for a worker
+        that is not serving or did not answer within ``timeout`` seconds."""
+        workers = self.pool.all_workers()
+        answers = await asyncio.gather(*(w.probe_state(timeout) for w in workers))
+        return {w.worker_id: answer for w, answer in zip(workers, answers)}
+
+    def describe(self, default_version: str, backend: Mapping[str, dict[str, int] | None] | None = None) -> dict[str, Any]:
+        """TorchServe's describe-model fields, plus the rest of model-config.yaml's keys, and the
+        state the server holds (``state``, per model and per worker: every count is 0 once a load
+        ended, but the bounded tombstones). ``backend``: probe answers by worker id, shown as each
+        worker's ``state.backend``."""
         cfg = self.config
         queue_depth = self.batcher.queue_depth
         return {
@@ -98,6 +108,8 @@ class ModelVersion:
                     **({"lastError": w.last_error} if w.last_error else {}),
                     # Sequence models: the open sequences pinned to this worker (count and ids).
                     **({"sequences": table.describe_worker(w.worker_id)} if (table := self.batcher.sequences) else {}),
+                    "state": {**w.describe_state(),
+                              **({"backend": backend.get(w.worker_id)} if backend is not None else {})},
                 }
                 for w in self.pool.all_workers()
             ],
@@ -106,6 +118,7 @@ class ModelVersion:
                 "pendingRequests": queue_depth,
             },
             **({"sequences": sequences} if (sequences := self.batcher.describe_sequences()) is not None else {}),
+            "state": self.batcher.describe_state(),
         }
 
 

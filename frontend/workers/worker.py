@@ -17,6 +17,12 @@ The step loop is the only code that touches the worker's socket (DESIGN §1)::
 The loop does not know which batching policy runs behind the aggregator. With continuous batching
 one frame is one step, and a busy worker goes from a final reply straight to the next frame (new
 jobs join there, a cancelled job's CANCEL goes there); ``StepMeter`` times that turnaround.
+
+State probe (``probe_state``, for ``GET /models/{m}?state=true`` and the soak's leak check): the
+next frame carries one extra CONTINUE for the reserved id ``#state`` (backend/service.py), or an
+idle worker sends a frame (id 0, never an aggregator's) with it alone; the backend answers it last
+in the final reply with its ``active`` table size and the handler's live counts. Aggregators ignore
+a result for an id they do not hold, so no job sees it.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from backend.protocol import (
-    HEADER_SIZE, ConnectionClosed, InferReply, LoadReply, LoadRequest, Message, ProtocolError, Shutdown, WireResult,
-    decode_header, decode_payload, read_message, write_message,
+    HEADER_SIZE, ConnectionClosed, InferReply, InferRequest, LoadReply, LoadRequest, Message, ProtocolError,
+    RequestState, Shutdown, WireRequest, WireResult, decode_header, decode_payload, read_message, write_message,
 )
 from frontend.batching.base import Aggregator, Frame
 from frontend.batching.model_batcher import ModelBatcher
@@ -47,6 +53,11 @@ log = logging.getLogger(__name__)
 BACKOFF_SERIES = (0, 1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610)
 SHUTDOWN_GRACE = 5.0  # seconds a worker gets to exit after SHUTDOWN before it is killed
 _FRAME_OVERHEAD = 1 << 20  # room for ids, headers and framing beyond the result bodies
+# State probe (module docstring). The id matches backend/service.py's STATE_PROBE_ID (a test checks)
+# and no client request can have it ('#' is outside frontend/api/common.py's _CLIENT_ID).
+STATE_PROBE_ID = "#state"
+_STATE_PROBE = WireRequest(STATE_PROBE_ID, RequestState.CONTINUE)
+PROBE_FRAME_ID = 0  # aggregators number their frames from 1
 
 
 class WorkerState(IntEnum):
@@ -149,6 +160,10 @@ class Worker:
         self._first_load: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task[None] | None = None
         self._stop_reason = ""  # what in-flight jobs are told when a stop past its timeout fails them
+        # State probes: one asked for and not sent yet, and one riding on the outstanding frame.
+        self._probe: asyncio.Future[dict[str, int] | None] | None = None
+        self._probe_sent: asyncio.Future[dict[str, int] | None] | None = None
+        self._meter: StepMeter | None = None  # the running step loop's
 
     # Control (called by the pool) -----------------------------------------------------------------
 
@@ -161,6 +176,37 @@ class Worker:
     async def first_load(self) -> str:
         """'' once the model loaded for the first time, else the first failure's message."""
         return await asyncio.shield(self._first_load)
+
+    async def probe_state(self, timeout: float) -> dict[str, int] | None:
+        """The backend's per-request state after its next frame (module docstring): ``num_active``
+        and the handler's ``num_live_requests`` / ``num_live_sequences`` if it has them. None when
+        the worker is not serving or gave no answer within ``timeout`` seconds."""
+        if self.state != WorkerState.READY:
+            return None
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_future()
+        probe = self._probe
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(probe), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def describe_state(self) -> dict[str, int]:
+        """What the frontend holds for this worker now: its aggregator's jobs (running, gathered,
+        CANCELs owed) and the streams whose chunk timing the step loop tracks. All 0 when idle."""
+        aggregator = self.batcher.aggregators.get(self.worker_id)
+        state = aggregator.describe_state() if aggregator is not None else {
+            "num_running": 0, "num_gathered": 0, "num_cancels_owed": 0}
+        state["num_timed_streams"] = self._meter.num_timed if self._meter is not None else 0
+        return state
+
+    def _end_probes(self) -> None:
+        """The step loop ended: nobody will answer the probes it had."""
+        for probe in (self._probe, self._probe_sent):
+            if probe is not None and not probe.done():
+                probe.set_result(None)
+        self._probe = self._probe_sent = None
 
     async def stop(self, timeout: float | None = None, reason: str = "") -> None:
         """Drain (finish in-flight work, take nothing new), send SHUTDOWN, reap. After ``timeout``
@@ -337,13 +383,15 @@ class Worker:
             raise
         finally:
             exit_task.cancel()
+            self._end_probes()
+            self._meter = None
 
     async def _step_loop(self, aggregator: Aggregator, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         clock = self.batcher.clock
         loop = asyncio.get_running_loop()
         max_payload = self.spec.batch_size * (self.spec.max_response_size + 4096) + _FRAME_OVERHEAD
         timeout = self.spec.response_timeout
-        meter = StepMeter(self.metrics, self.spec.model_name, self.worker_id)
+        meter = self._meter = StepMeter(self.metrics, self.spec.model_name, self.worker_id)
         # perf_counter() when the last final reply's bytes were in; None after an idle wait, so the
         # overhead timer measures only back-to-back steps of a busy worker.
         replied_at: float | None = None
@@ -359,8 +407,22 @@ class Worker:
             for job, error in self.batcher.tick():  # timeouts, sequence expiry: already FAILED/EXPIRED
                 report_failure(job, error)
             frame = aggregator.next_frame()
+            probe, self._probe = self._probe, None
+            if probe is not None and probe.done():
+                probe = None
             if frame is None:
                 replied_at = None
+                if probe is not None:  # idle: a frame with the probe alone
+                    self._probe_sent = probe
+                    write_message(writer, InferRequest(PROBE_FRAME_ID, (_STATE_PROBE,)))
+                    await writer.drain()
+                    reply, _ = await asyncio.wait_for(_read_reply(reader, max_payload), timeout)
+                    if not isinstance(reply, InferReply) or reply.frame_id != PROBE_FRAME_ID or not reply.final:
+                        raise ProtocolError(f"expected the final INFER_REPLY for state probe frame {PROBE_FRAME_ID}, "
+                                            f"got {type(reply).__name__}")
+                    probe.set_result(probe_counts(reply))
+                    self._probe_sent = None
+                    continue
                 if closed and aggregator.num_active == 0:
                     return
                 times = [t for t in (aggregator.wake_at(), self.batcher.next_deadline()) if t is not None]
@@ -373,7 +435,11 @@ class Worker:
                         timer.cancel()
                 continue
             meter.frame_built(frame, clock())
-            write_message(writer, frame.to_wire())
+            wire = frame.to_wire()
+            if probe is not None:
+                self._probe_sent = probe
+                wire = InferRequest(wire.frame_id, (*wire.requests, _STATE_PROBE))
+            write_message(writer, wire)
             await writer.drain()
             if replied_at is not None:
                 meter.overhead(time.perf_counter() - replied_at, frame)
@@ -389,7 +455,24 @@ class Worker:
                         job.sink.deliver(result)
                 if reply.final:
                     replied_at = received_at
+                    if probe is not None:
+                        probe.set_result(probe_counts(reply))
+                        self._probe_sent = None
                     break
+
+
+def probe_counts(reply: InferReply) -> dict[str, int] | None:
+    """The backend's answer to a state probe in a final reply (None: none, or not understood)."""
+    for result in reversed(reply.results):
+        if result.request_id == STATE_PROBE_ID:
+            try:
+                counts = json.loads(result.body) if result.status == 200 else None
+            except ValueError:
+                return None
+            if isinstance(counts, dict) and all(isinstance(v, int) for v in counts.values()):
+                return counts
+            return None
+    return None
 
 
 async def _read_reply(reader: asyncio.StreamReader, max_payload: int) -> tuple[Message, float]:
@@ -433,6 +516,11 @@ class StepMeter:
         # terminal result or its CANCEL entry, and the whole map with the loop (worker lost).
         self._last_at: dict[str, float] = {}
         self._debug = log.isEnabledFor(logging.DEBUG)
+
+    @property
+    def num_timed(self) -> int:
+        """Streams whose time between chunks is being measured (0 when none runs)."""
+        return len(self._last_at)
 
     def frame_built(self, frame: Frame, now: float) -> None:
         self._steps.inc()

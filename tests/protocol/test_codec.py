@@ -156,3 +156,23 @@ def test_docs_layout_table_matches_the_code() -> None:
         assert int(row.group(1)) == msg_type.value
         documented = [f.strip(" `") for f in row.group(2).split(",")] if row.group(2).strip() else []
         assert documented == fields, msg_type.name
+
+
+def test_socket_reader_buffers_across_frames_and_reports_closes() -> None:
+    """The worker's buffered reader: whole frames out of arbitrary recv boundaries, a large frame
+    over many reads, then a clean close at a boundary vs a close mid-frame."""
+    big = p.InferReply(1, True, (p.WireResult("r", body=b"x" * (3 * p.SocketReader.CHUNK + 5)),))
+    stream = b"".join(p.encode(m) for m in [*MESSAGES, big, *MESSAGES])
+    for tail, partial in ((b"", False), (p.encode(p.Ping(3))[:5], True)):
+        left, right = socket.socketpair()
+        try:
+            reader = p.SocketReader(right)
+            left.sendall(stream + tail)
+            left.close()
+            got = [reader.recv_message() for _ in range(2 * len(MESSAGES) + 1)]
+            assert got == [_normalise(m) for m in [*MESSAGES, big, *MESSAGES]]
+            with pytest.raises(p.ConnectionClosed) as info:
+                reader.recv_message()
+            assert info.value.partial is partial
+        finally:
+            right.close()

@@ -15,7 +15,8 @@ TorchServe's stateful tests). Response: the sum of the sequence's bodies so far,
 
 The backend is not told when the server expires a sequence (idle or absolute timeout), so the state
 is also bounded: an LRU of ``maxNumSequence`` entries, the most sequences the model can have open.
-An expired sequence is idle longer than any open one, so it is the one evicted.
+An expired sequence is idle longer than any open one, so it is the one evicted. ``num_live_sequences``
+(sums held) is what the worker reports to a state probe (``GET /models/{m}?state=true``).
 
 Without continuous batching the frontend sends one request per sequence per frame and the next one
 only after the previous answer, so the requests of a frame belong to distinct sequences; the
@@ -57,6 +58,10 @@ class RunningSumHandler:
     def __init__(self) -> None:
         self.sums: OrderedDict[str, int] = OrderedDict()  # sequence id -> sum; least recently used first
         self.capacity = DEFAULT_CAPACITY
+
+    @property
+    def num_live_sequences(self) -> int:
+        return len(self.sums)
 
     def initialize(self, context: Context) -> None:
         self.capacity = int(context.model_yaml_config.get("maxNumSequence") or DEFAULT_CAPACITY)

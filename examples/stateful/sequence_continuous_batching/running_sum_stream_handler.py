@@ -35,6 +35,9 @@ A CANCEL entry (the client of a stream went away) reaches ``cancel(request_ids)`
 sequence stays open. State is bounded as in ../sequence_batching: an LRU of ``maxNumSequence``
 sequences, since the backend is not told when the server expires one.
 
+``num_live_requests`` (running streams) and ``num_live_sequences`` (sums held) are what the worker
+reports to a state probe (``GET /models/{m}?state=true``): both 0 once every sequence has ended.
+
 ``handler: {step_ms: N}`` in model-config.yaml makes every frame that steps a stream take N ms (a
 model's decode step), so that a client has time to cancel. Every frame logs
 ``FRAME new=<ids> continuing=<ids> cancelled=<ids> sequences=<n> streams=<n>`` (the state held
@@ -127,6 +130,14 @@ class RunningSumStreamHandler:
         self.capacity = DEFAULT_CAPACITY
         self.step_seconds = 0.0  # model-config.yaml `handler: {step_ms: N}`: a model's per-step cost
         self.num_stepped = 0  # streams stepped in the current frame
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.streams)
+
+    @property
+    def num_live_sequences(self) -> int:
+        return len(self.sequences)
 
     def initialize(self, context: Context) -> None:
         cfg = context.model_yaml_config
