@@ -33,10 +33,8 @@ HEADER = struct.Struct("!4sBBHI")
 HEADER_SIZE = HEADER.size  # 12
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
 
-_U8 = struct.Struct("!B")
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
-_I32 = struct.Struct("!i")
 _U64 = struct.Struct("!Q")
 # Fixed-size parts of the hot messages, packed in one call each.
 _REQ_FIXED = struct.Struct("!BB")  # state, flags
