@@ -99,7 +99,7 @@ class TokenAuthorizer:
     # Checks -----------------------------------------------------------------------------------
 
     def check(self, request: web.Request, api: str) -> None:
-        """The HTTP hook (``auth_middleware``): raise Unauthorized unless the request may pass."""
+        """The HTTP hook (called by the request middleware in ``frontend/api/common.py``): raise Unauthorized unless the request may pass."""
         if api == "metrics":
             return
         resource = request.match_info.route.resource
