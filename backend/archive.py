@@ -55,9 +55,9 @@ class ModelArchive:
     source: Path  # the archive file or directory this came from
     archive_format: str  # "mar", "tgz" or "no-archive"
     extracted: bool  # True: the files are a copy under extract_root (see extract_dir)
-    config_file: Optional[Path] = None
-    requirements_file: Optional[Path] = None
-    extract_dir: Optional[Path] = None  # the directory extraction created (model_dir or its parent): delete this
+    config_file: Path | None = None
+    requirements_file: Path | None = None
+    extract_dir: Path | None = None  # the directory extraction created (model_dir or its parent): delete this
 
     @property
     def manifest_json(self) -> str:
@@ -183,8 +183,8 @@ def extract(path: Path, target: Path) -> None:
 def open_archive(
     path: str | Path,
     extract_root: str | Path,
-    model_name: Optional[str] = None,
-    handler: Optional[str] = None,
+    model_name: str | None = None,
+    handler: str | None = None,
 ) -> ModelArchive:
     """Open a model archive or directory.
 
@@ -197,7 +197,7 @@ def open_archive(
     if not source.exists():
         raise ArchiveError(f"archive {source}: no such file or directory")
     fmt = archive_format_of(source)
-    target: Optional[Path] = None
+    target: Path | None = None
     if fmt == "no-archive":
         model_dir = source
     else:
@@ -219,8 +219,8 @@ def open_archive(
         raise
 
 
-def _describe(source: Path, fmt: str, model_dir: Path, extract_dir: Optional[Path], model_name: Optional[str],
-              handler: Optional[str]) -> ModelArchive:
+def _describe(source: Path, fmt: str, model_dir: Path, extract_dir: Path | None, model_name: str | None,
+              handler: str | None) -> ModelArchive:
     manifest_file = model_dir / MANIFEST_PATH
     if manifest_file.is_file():
         manifest = _read_json(manifest_file, source)
@@ -242,7 +242,7 @@ def _describe(source: Path, fmt: str, model_dir: Path, extract_dir: Optional[Pat
     if "configFile" not in model and not manifest_file.is_file() and (model_dir / DEFAULT_CONFIG_FILE).is_file():
         model["configFile"] = DEFAULT_CONFIG_FILE
 
-    config_path: Optional[Path] = None
+    config_path: Path | None = None
     config: dict[str, Any] = {}
     if model.get("configFile"):
         config_path = model_dir / str(model["configFile"])

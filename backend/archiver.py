@@ -29,7 +29,8 @@ import tempfile
 import zipfile
 from datetime import datetime
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
+from collections.abc import Sequence
 
 from backend.archive import MANIFEST_PATH
 
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _handler_file(handler: str) -> Optional[Path]:
+def _handler_file(handler: str) -> Path | None:
     """The file to ship for ``handler``, or None for a built-in/importable name."""
     module_part = handler.split(":", 1)[0]
     for candidate in (module_part, module_part + ".py"):
@@ -175,7 +176,7 @@ def write_archive(args: argparse.Namespace, files: dict[str, Path], manifest: di
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if not _NAME_RE.match(args.model_name):

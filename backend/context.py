@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
+from collections.abc import Callable, Mapping, Sequence
 
 SERVER_NAME = "Conveyor"
 SERVER_VERSION = "0.1.0"
@@ -47,15 +48,15 @@ class RequestProcessor:
     content_type field.
     """
 
-    __slots__ = ("_request_header", "_lower", "_status_code", "_reason_phrase", "_response_header", "_done", "_new")
+    __slots__ = ("_done", "_lower", "_new", "_reason_phrase", "_request_header", "_response_header", "_status_code")
 
     def __init__(self, request_header: Mapping[str, Any], is_new: bool = True) -> None:
         self._request_header = dict(request_header)
         self._lower = {str(k).lower(): v for k, v in self._request_header.items()}
         self._status_code = 200
-        self._reason_phrase: Optional[str] = None
+        self._reason_phrase: str | None = None
         self._response_header: dict[str, str] = {}
-        self._done: Optional[bool] = None  # None: the handler did not say
+        self._done: bool | None = None  # None: the handler did not say
         self._new = is_new
 
     def get_request_property(self, key: str) -> Any:
@@ -64,14 +65,14 @@ class RequestProcessor:
     def get_request_properties(self) -> dict[str, Any]:
         return self._request_header
 
-    def report_status(self, code: int, reason_phrase: Optional[str] = None) -> None:
+    def report_status(self, code: int, reason_phrase: str | None = None) -> None:
         self._status_code = code
         self._reason_phrase = reason_phrase
 
     def get_response_status_code(self) -> int:
         return self._status_code
 
-    def get_response_status_phrase(self) -> Optional[str]:
+    def get_response_status_phrase(self) -> str | None:
         return self._reason_phrase
 
     def add_response_property(self, key: str, value: str) -> None:
@@ -83,7 +84,7 @@ class RequestProcessor:
     def get_response_headers(self) -> dict[str, str]:
         return self._response_header
 
-    def get_response_header(self, key: str) -> Optional[str]:
+    def get_response_header(self, key: str) -> str | None:
         for k, v in self._response_header.items():
             if k.lower() == key.lower():
                 return v
@@ -142,13 +143,13 @@ class Context:
         self,
         model_name: str,
         model_dir: str,
-        manifest: Optional[dict],
+        manifest: dict | None,
         batch_size: int,
-        gpu: Optional[int],
+        gpu: int | None,
         mms_version: str = SERVER_VERSION,
         limit_max_image_pixels: bool = True,
-        metrics: Optional[Metrics] = None,
-        model_yaml_config: Optional[dict] = None,
+        metrics: Metrics | None = None,
+        model_yaml_config: dict | None = None,
     ) -> None:
         self.model_name = model_name
         self.manifest = manifest if manifest is not None else {}
@@ -171,7 +172,7 @@ class Context:
         self.cancelled_request_ids: list[str] = []
         self.stopping_criteria: Any = None  # None, or list/dict idx -> callable(output) -> bool|None
         self._sequence_ids: list[str] = []
-        self.intermediate_sender: Optional[IntermediateSender] = None
+        self.intermediate_sender: IntermediateSender | None = None
         self.cl_socket = None  # TorchServe's attribute; Conveyor replies through intermediate_sender
         # TorchServe reads these names from the environment too; the frontend sets them for workers.
         self.header_key_sequence_id = os.getenv("TS_REQUEST_SEQUENCE_ID", "ts_request_sequence_id")
@@ -198,7 +199,7 @@ class Context:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def get_request_id(self, idx: int = 0) -> Optional[str]:
+    def get_request_id(self, idx: int = 0) -> str | None:
         return self.request_ids.get(idx) if self.request_ids is not None else None
 
     def get_request_header(self, idx: int, key: str) -> Any:
@@ -208,7 +209,7 @@ class Context:
     def get_all_request_header(self, idx: int) -> dict[str, Any]:
         return self.request_processor[idx].get_request_properties()
 
-    def get_sequence_id(self, idx: int) -> Optional[str]:
+    def get_sequence_id(self, idx: int) -> str | None:
         """The request's sequence id (from the frame, else the sequence header); None outside sequences."""
         seq = self._sequence_ids[idx] if idx < len(self._sequence_ids) else ""
         if not seq:
@@ -229,7 +230,7 @@ class Context:
         for idx in range(len(self.request_processor)):  # by index: TorchServe tests assign a dict here
             self.request_processor[idx].report_status(code, reason_phrase=phrase)
 
-    def get_response_status(self, idx: int) -> tuple[int, Optional[str]]:
+    def get_response_status(self, idx: int) -> tuple[int, str | None]:
         rp = self.request_processor[idx]
         return rp.get_response_status_code(), rp.get_response_status_phrase()
 
@@ -242,7 +243,7 @@ class Context:
     def set_response_content_type(self, idx: int, value: str) -> None:
         self.set_response_header(idx, "content-type", value)
 
-    def get_response_content_type(self, idx: int) -> Optional[str]:
+    def get_response_content_type(self, idx: int) -> str | None:
         return self.request_processor[idx].get_response_header("content-type")
 
     # -- continuous decode ----------------------------------------------------------------------
@@ -256,6 +257,6 @@ class Context:
         done = self.request_processor[idx]._done
         return True if done is None else done
 
-    def explicit_done(self, idx: int) -> Optional[bool]:
+    def explicit_done(self, idx: int) -> bool | None:
         """``set_done``'s value, or None if the handler did not call it (used by the worker)."""
         return self.request_processor[idx]._done

@@ -28,7 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+from collections.abc import Callable
 
 from backend.context import Context
 
@@ -36,7 +37,7 @@ logger = logging.getLogger("conveyor.loader")
 
 TS_COMPAT_DIR = Path(__file__).resolve().parent / "ts_compat"
 
-HandleFn = Callable[[Optional[list], Context], Any]
+HandleFn = Callable[[list | None, Context], Any]
 CancelFn = Callable[[list[str], Context], None]
 
 
@@ -48,7 +49,7 @@ class HandlerLoadError(Exception):
 class LoadedHandler:
     description: str  # e.g. "echo_handler.handle" or "streaming_handler.StreamingHandler"
     handle: HandleFn
-    cancel: Optional[CancelFn] = None
+    cancel: CancelFn | None = None
     instance: Any = None  # the handler object for class handlers
 
 
@@ -83,7 +84,7 @@ def _resolve_module(name: str, model_dir: Path) -> ModuleType:
     )
 
 
-def _handler_class(module: ModuleType) -> Optional[type]:
+def _handler_class(module: ModuleType) -> type | None:
     classes = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]
     if len(classes) == 1:
         return classes[0]
@@ -110,7 +111,7 @@ def _from_class(cls: type, context: Context) -> LoadedHandler:
     if callable(init):
         init(context)
     method = getattr(instance, "cancel", None)
-    cancel: Optional[CancelFn] = (lambda ids, ctx: method(ids)) if callable(method) else None
+    cancel: CancelFn | None = (lambda ids, ctx: method(ids)) if callable(method) else None
     return LoadedHandler(f"{cls.__module__}.{cls.__name__}", instance.handle, cancel, instance)
 
 
@@ -121,7 +122,7 @@ def _from_function(module: ModuleType, fn: HandleFn, context: Context) -> Loaded
     else:
         fn(None, context)  # TorchServe's way of initialising a function handler
     cancel = getattr(module, "cancel", None)
-    cancel_fn: Optional[CancelFn] = cancel if callable(cancel) and not inspect.isclass(cancel) else None
+    cancel_fn: CancelFn | None = cancel if callable(cancel) and not inspect.isclass(cancel) else None
     return LoadedHandler(f"{module.__name__}.{getattr(fn, '__name__', 'handle')}", fn, cancel_fn)
 
 

@@ -9,7 +9,8 @@ import json
 import logging
 import os
 from types import ModuleType
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
+from collections.abc import Mapping, Sequence
 
 from backend.context import Context
 
@@ -34,7 +35,7 @@ def send_intermediate_predict_response(ret: Sequence[Any], req_id_map: Mapping[i
     return None
 
 
-def list_classes_from_module(module: ModuleType, parent_class: Optional[type] = None) -> list[type]:
+def list_classes_from_module(module: ModuleType, parent_class: type | None = None) -> list[type]:
     """Classes defined in ``module`` itself (not imported), optionally only subclasses of ``parent_class``."""
     classes = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]
     if parent_class is not None:
@@ -42,7 +43,7 @@ def list_classes_from_module(module: ModuleType, parent_class: Optional[type] = 
     return classes
 
 
-def load_label_mapping(mapping_file_path: str) -> Optional[dict[str, str]]:
+def load_label_mapping(mapping_file_path: str) -> dict[str, str] | None:
     """``index_to_name.json`` → ``{"0": "cat", ...}``; None (with a warning) when the file is absent."""
     if not os.path.isfile(mapping_file_path):
         logger.warning("%r is missing. Inference output will not include class name.", mapping_file_path)
@@ -62,7 +63,7 @@ def load_label_mapping(mapping_file_path: str) -> Optional[dict[str, str]]:
     return out
 
 
-def map_class_to_label(probs: list, mapping: Optional[dict] = None, lbl_classes: Optional[list] = None) -> list[dict]:
+def map_class_to_label(probs: list, mapping: dict | None = None, lbl_classes: list | None = None) -> list[dict]:
     """Rows of probabilities (+ class ids) → ``[{label: prob, ...}, ...]``."""
     if not isinstance(probs, list):
         raise ValueError("Convert classes to list before doing mapping")
@@ -76,7 +77,7 @@ def map_class_to_label(probs: list, mapping: Optional[dict] = None, lbl_classes:
     ]
 
 
-def import_class(class_name: str, module_prefix: Optional[str] = None) -> type:
+def import_class(class_name: str, module_prefix: str | None = None) -> type:
     """``"pkg.mod.Class"`` (or ``"Class"`` under ``module_prefix``) → the class."""
     module_name, _, name = class_name.rpartition(".")
     if module_prefix:

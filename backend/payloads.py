@@ -24,7 +24,8 @@ import os
 import sys
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
+from collections.abc import Sequence
 
 from backend.protocol import InputParameter, RequestFlags
 
@@ -76,7 +77,7 @@ def decode_parameter(param: InputParameter, decode: bool = True) -> Any:
     return param.value
 
 
-def build_input(parameters: Sequence[InputParameter], decode: Optional[bool] = None) -> dict[str, Any]:
+def build_input(parameters: Sequence[InputParameter], decode: bool | None = None) -> dict[str, Any]:
     """One ``data`` entry: ``{parameter name: decoded value}``. ``decode`` defaults to
     ``decoding_enabled()``; a caller building many entries reads that once and passes it."""
     if decode is None:

@@ -25,7 +25,8 @@ import socket
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
-from typing import Sequence, Union
+from typing import Union
+from collections.abc import Sequence
 
 MAGIC = b"CNVY"
 VERSION = 1
@@ -534,8 +535,9 @@ class FrameDecoder:
 # ---------------------------------------------------------------------------------------- streams
 
 
-async def read_message(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Message:
-    """Read one message from an asyncio stream (the frontend side)."""
+async def read_frame(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[MessageType, bytes]:
+    """Read one frame's type and raw payload from an asyncio stream, without decoding the payload
+    (callers that time the decoding separately use this, then ``decode_payload``)."""
     try:
         header = await reader.readexactly(HEADER_SIZE)
     except asyncio.IncompleteReadError as exc:
@@ -545,7 +547,12 @@ async def read_message(reader: asyncio.StreamReader, max_payload: int = DEFAULT_
         payload = await reader.readexactly(length) if length else b""
     except asyncio.IncompleteReadError:
         raise ConnectionClosed(partial=True) from None
-    return decode_payload(msg_type, payload)
+    return msg_type, payload
+
+
+async def read_message(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Message:
+    """Read one message from an asyncio stream (the frontend side)."""
+    return decode_payload(*await read_frame(reader, max_payload))
 
 
 def write_message(writer: asyncio.StreamWriter, msg: Message) -> None:
@@ -577,7 +584,7 @@ class SocketReader:
     brings a whole frame, header and payload, where ``recv_message`` makes two calls. Bytes past
     the frame stay buffered for the next call. Same errors as ``recv_message``."""
 
-    __slots__ = ("sock", "_buf")
+    __slots__ = ("_buf", "sock")
 
     CHUNK = 1 << 16  # smallest read; a larger frame is read in reads of up to MAX_READ
     MAX_READ = 1 << 22

@@ -33,7 +33,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
+from collections.abc import Callable, Mapping, Sequence
 
 from backend.context import Context, RequestEntry
 from backend.errors import PredictionException, status_for_exception
@@ -67,8 +68,8 @@ class Service:
         handler: LoadedHandler,
         context: Context,
         max_response_size: int,
-        send: Optional[Callable[[InferReply], None]] = None,
-        max_active: Optional[int] = None,
+        send: Callable[[InferReply], None] | None = None,
+        max_active: int | None = None,
     ) -> None:
         self.handler = handler
         self.context = context
@@ -227,7 +228,7 @@ class Service:
 
     def _done(self, idx: int, value: Any) -> bool | WireResult:
         ctx = self.context
-        verdict: Optional[bool] = None
+        verdict: bool | None = None
         criterion = _criterion(ctx.stopping_criteria, idx)
         if criterion is not None:
             # Always called, even when set_done decides: TorchServe handlers free state inside it.
@@ -284,7 +285,7 @@ class Service:
             self._cancel(victims, "evicted")
 
 
-def _criterion(criteria: Any, idx: int) -> Optional[Callable[[Any], Any]]:
+def _criterion(criteria: Any, idx: int) -> Callable[[Any], Any] | None:
     if criteria is None:
         return None
     if isinstance(criteria, Mapping):

@@ -33,7 +33,8 @@ import signal
 import socket
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Optional
+from collections.abc import Sequence
 
 from backend.context import SERVER_VERSION, Context
 from backend.errors import describe, is_out_of_memory
@@ -75,7 +76,7 @@ class _PrefixFormatter(logging.Formatter):
         return "\n".join(self.prefix + line for line in super().format(record).splitlines())
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m backend.worker", description="Conveyor backend worker")
     p.add_argument("--sock-path", "--sock", dest="sock_path", required=True, help="Unix socket path to listen on")
     p.add_argument("--worker-id", required=True, help="shown in every log line, e.g. W-echo-1")
@@ -103,7 +104,7 @@ def listen(path: str) -> socket.socket:
     return server
 
 
-def accept(server: socket.socket, timeout: float) -> Optional[socket.socket]:
+def accept(server: socket.socket, timeout: float) -> socket.socket | None:
     """The frontend's connection, or None if the parent died or the timeout passed."""
     parent = os.getppid()
     deadline = time.monotonic() + timeout
@@ -111,7 +112,7 @@ def accept(server: socket.socket, timeout: float) -> Optional[socket.socket]:
     while True:
         try:
             conn, _ = server.accept()
-        except socket.timeout:
+        except TimeoutError:
             if os.getppid() != parent:
                 logger.error("parent process %d is gone; exiting", parent)
                 return None
@@ -123,7 +124,7 @@ def accept(server: socket.socket, timeout: float) -> Optional[socket.socket]:
         return conn
 
 
-def load_model(req: LoadRequest, num_threads: int, send) -> tuple[Optional[Service], LoadReply]:
+def load_model(req: LoadRequest, num_threads: int, send) -> tuple[Service | None, LoadReply]:
     try:
         manifest = json.loads(req.manifest_json or "{}")
         if not isinstance(manifest, dict):
@@ -152,7 +153,7 @@ def load_model(req: LoadRequest, num_threads: int, send) -> tuple[Optional[Servi
 
 def serve(conn: socket.socket, args: argparse.Namespace) -> int:
     max_payload = DEFAULT_MAX_PAYLOAD + args.max_request_size
-    service: Optional[Service] = None
+    service: Service | None = None
     reader = SocketReader(conn)
 
     def send(msg) -> None:
@@ -197,14 +198,14 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through finally: the socket file is removed
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.worker_id, args.log_level)
     # Before any torch import, so the thread pools start at the right size.
     os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
     signal.signal(signal.SIGTERM, _terminate)
     path = os.path.abspath(args.sock_path)
-    server: Optional[socket.socket] = None
+    server: socket.socket | None = None
     inode = None
     try:
         server = listen(path)

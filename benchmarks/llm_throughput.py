@@ -149,7 +149,7 @@ class ServeProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = (self.workdir / "server.log").open("ab")
         self.proc = subprocess.Popen(self.argv, cwd=self.workdir, stdout=subprocess.PIPE, stderr=log, text=True,

@@ -52,7 +52,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import aiohttp
 
@@ -172,7 +173,7 @@ class Soak:
                     await asyncio.gather(task, return_exceptions=True)
                     return Answer("disconnected")
             return await asyncio.wait_for(task, self.args.deadline)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return Answer("lost", kind=f"no answer within {self.args.deadline:g} s")
         except aiohttp.ClientPayloadError as exc:
             return Answer("lost", kind=f"response cut short ({type(exc).__name__})")

@@ -10,7 +10,7 @@ non-string output with ``json.dumps(indent=2)`` after it, so the work per reques
 from typing import Any, List, Optional
 
 
-def handle(data: Optional[List[Any]], context: Any) -> Optional[List[Any]]:
+def handle(data: list[Any] | None, context: Any) -> list[Any] | None:
     if data is None:
         return None
     return [row.get("body", row.get("data")) if isinstance(row, dict) else row for row in data]

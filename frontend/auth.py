@@ -37,7 +37,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
@@ -76,7 +76,7 @@ class _Key:
 
 
 def _iso(timestamp: float) -> str:
-    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class TokenAuthorizer:

@@ -23,7 +23,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from frontend.config import ServerConfig, load_server_config, locate_config_file
 from frontend.errors import InvalidConfig

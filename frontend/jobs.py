@@ -16,7 +16,8 @@ States are ordered so that "is finished" is one comparison: ``state >= JobState.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Protocol, Sequence
+from typing import Protocol
+from collections.abc import Sequence
 
 from backend.protocol import InputParameter, RequestFlags, RequestState, WireRequest, WireResult
 
@@ -54,9 +55,22 @@ class Job:
     """One request. Hot object: ``__slots__`` and no properties with side effects."""
 
     __slots__ = (
-        "request_id", "model_name", "model_version", "headers", "parameters", "sequence_id", "flags",
-        "sink", "state", "cancel_requested", "created_at", "deadline", "sent_at", "first_result_at",
-        "num_results", "worker_id",
+        "cancel_requested",
+        "created_at",
+        "deadline",
+        "first_result_at",
+        "flags",
+        "headers",
+        "model_name",
+        "model_version",
+        "num_results",
+        "parameters",
+        "request_id",
+        "sent_at",
+        "sequence_id",
+        "sink",
+        "state",
+        "worker_id",
     )
 
     def __init__(

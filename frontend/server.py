@@ -19,7 +19,8 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 
@@ -54,7 +55,7 @@ class StartupModel:
     name: str | None = None
 
     @classmethod
-    def parse(cls, entry: str) -> "StartupModel":
+    def parse(cls, entry: str) -> StartupModel:
         name, sep, url = entry.partition("=")
         return cls(url.strip(), name.strip() or None) if sep else cls(entry.strip())
 

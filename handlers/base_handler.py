@@ -22,7 +22,8 @@ import importlib
 import logging
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -55,13 +56,13 @@ class BaseHandler(abc.ABC):
 
     def __init__(self) -> None:
         self.model: Any = None
-        self.mapping: Optional[dict] = None
-        self.device: Optional[torch.device] = None
+        self.mapping: dict | None = None
+        self.device: torch.device | None = None
         self.initialized = False
-        self.context: Optional[Context] = None
-        self.model_pt_path: Optional[str] = None
-        self.manifest: Optional[dict] = None
-        self.map_location: Optional[str] = None
+        self.context: Context | None = None
+        self.model_pt_path: str | None = None
+        self.manifest: dict | None = None
+        self.map_location: str | None = None
         self.explain = False
         self.target = 0
         self.model_yaml_config: dict = {}
@@ -108,7 +109,7 @@ class BaseHandler(abc.ABC):
     def _load_torchscript_model(self, model_pt_path: str) -> Any:
         return torch.jit.load(model_pt_path, map_location=self.device)
 
-    def _load_pickled_model(self, model_dir: str, model_file: str, model_pt_path: Optional[str]) -> torch.nn.Module:
+    def _load_pickled_model(self, model_dir: str, model_file: str, model_pt_path: str | None) -> torch.nn.Module:
         if not os.path.isfile(os.path.join(model_dir, model_file)):
             raise RuntimeError(f"Missing the model definition file {model_file} in {model_dir}")
         module = importlib.import_module(os.path.splitext(os.path.basename(model_file))[0])
@@ -180,5 +181,5 @@ class BaseHandler(abc.ABC):
         """Override to answer describe requests."""
         return None
 
-    def get_device(self) -> Optional[torch.device]:
+    def get_device(self) -> torch.device | None:
         return self.device

@@ -28,7 +28,7 @@ PROMPT_CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Decode one request's generated tokens into text chunks, correctly across token boundaries."""
 
-    __slots__ = ("_decode_ids", "_tokens", "_prefix_offset", "_read_offset")
+    __slots__ = ("_decode_ids", "_prefix_offset", "_read_offset", "_tokens")
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._decode_ids = text_decoder(tokenizer, skip_special_tokens)
@@ -76,7 +76,7 @@ def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[
 class StopStringFilter:
     """Hold back text that may be the start of a stop string; cut the text at the first match."""
 
-    __slots__ = ("_stops", "_held", "stopped")
+    __slots__ = ("_held", "_stops", "stopped")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(stops)

@@ -104,8 +104,19 @@ class Sequence:
     """The live, mutable state of one request inside the engine."""
 
     __slots__ = (
-        "request_id", "prompt_ids", "params", "status", "output_ids", "num_prefilled", "prefill_cache",
-        "generator", "detokenizer", "stop_filter", "row", "step_text", "step_token_ids",
+        "detokenizer",
+        "generator",
+        "num_prefilled",
+        "output_ids",
+        "params",
+        "prefill_cache",
+        "prompt_ids",
+        "request_id",
+        "row",
+        "status",
+        "step_text",
+        "step_token_ids",
+        "stop_filter",
     )  # fmt: skip
 
     def __init__(self, request_id: str, parsed: ParsedRequest, tokenizer: Any, device: torch.device) -> None:

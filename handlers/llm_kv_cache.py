@@ -46,7 +46,7 @@ class _ViewLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, owner: "_ColumnCache", layer_idx: int) -> None:
+    def __init__(self, owner: _ColumnCache, layer_idx: int) -> None:
         super().__init__()
         self._owner = owner
         self._layer_idx = layer_idx

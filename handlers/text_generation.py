@@ -67,7 +67,7 @@ class HandlerConfig:
     trust_remote_code: bool = False
 
     @classmethod
-    def from_context(cls, context: Any) -> "HandlerConfig":
+    def from_context(cls, context: Any) -> HandlerConfig:
         model_dir = (context.system_properties or {}).get("model_dir") or "."
         section = (context.model_yaml_config or {}).get("handler") or {}
         if not isinstance(section, dict):

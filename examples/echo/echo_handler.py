@@ -25,7 +25,7 @@ def _echo(row: Any) -> Any:
     return body if isinstance(body, (bytes, bytearray, str)) else json.dumps(body)
 
 
-def handle(data: Optional[list], context: Context) -> Optional[list]:
+def handle(data: list | None, context: Context) -> list | None:
     if data is None:  # the one-time initialisation call (TorchServe's convention for function handlers)
         return None
     outputs = []

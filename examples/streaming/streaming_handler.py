@@ -34,7 +34,7 @@ def _ids(ids: list[str]) -> str:
 
 class StreamingHandler:
     def __init__(self) -> None:
-        self.context: Optional[Context] = None
+        self.context: Context | None = None
         self.steps: dict[str, int] = {}  # request id -> chunks already emitted
         self.num_frames = 0
         self.initialized = False
@@ -74,7 +74,7 @@ class StreamingHandler:
         logger.info("STEP frame=%d new=%s continuing=%s cancelled=%s", self.num_frames,
                     _ids(context.new_request_ids), _ids(context.continuing_request_ids),
                     _ids(context.cancelled_request_ids))
-        parsed: list[Optional[tuple[int, float]]] = []
+        parsed: list[tuple[int, float] | None] = []
         for idx, row in enumerate(data):
             try:
                 parsed.append(self.parse(row))

@@ -19,7 +19,8 @@ import logging
 import os
 import re
 from http import HTTPStatus
-from typing import Any, Awaitable, Callable, Protocol, cast
+from typing import Any, Protocol, cast
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -126,7 +127,7 @@ class _BodyDeadline:
     that lies, a stalled upload): past it the handler, still reading, is cancelled and the client
     gets 408. Requests without a body never start the timer."""
 
-    __slots__ = ("expired", "_timer", "_task", "_request")
+    __slots__ = ("_request", "_task", "_timer", "expired")
 
     def __init__(self, request: web.Request, timeout: float) -> None:
         self.expired = False
@@ -171,7 +172,7 @@ class InFlight:
             return True
         try:
             await asyncio.wait_for(self._idle.wait(), max(0.0, timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

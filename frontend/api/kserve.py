@@ -43,7 +43,8 @@ import base64
 import json
 import time
 from importlib import metadata
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 

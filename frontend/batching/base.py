@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from backend.protocol import InferReply, InferRequest, WireResult
 from frontend.errors import InvalidConfig, QueueFull
@@ -154,7 +154,7 @@ class Frame:
 class JobQueue:
     """A bounded FIFO of jobs. ``put`` raises QueueFull; listeners run on every put (they wake workers)."""
 
-    __slots__ = ("capacity", "model_name", "_jobs", "_listeners")
+    __slots__ = ("_jobs", "_listeners", "capacity", "model_name")
 
     def __init__(self, capacity: int, model_name: str = "") -> None:
         self.capacity = capacity

@@ -17,7 +17,7 @@ Who calls what, and when:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from frontend.batching.base import Aggregator, BatchConfig, Clock, JobQueue
 from frontend.batching.continuous_batching import ContinuousBatching

@@ -49,7 +49,7 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable, Sequence as Seq
 
 from backend.protocol import RequestFlags
 from frontend.batching.base import BatchConfig, Clock
@@ -85,8 +85,16 @@ class Sequence:
     """One live sequence. Only the table mutates it."""
 
     __slots__ = (
-        "sequence_id", "state", "worker_id", "waiting", "in_flight", "opened_at", "last_active_at",
-        "end_job", "reason", "stamp",
+        "end_job",
+        "in_flight",
+        "last_active_at",
+        "opened_at",
+        "reason",
+        "sequence_id",
+        "stamp",
+        "state",
+        "waiting",
+        "worker_id",
     )
 
     def __init__(self, sequence_id: str, now: float) -> None:

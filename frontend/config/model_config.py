@@ -17,7 +17,8 @@ are kept in ``raw`` for the handler and are not errors; a wrong value of a known
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from frontend.batching.base import BatchConfig
 from frontend.config.server_config import ServerConfig

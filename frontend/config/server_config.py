@@ -22,7 +22,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from frontend.config.values import as_bool, as_int, as_str, fail
@@ -94,7 +95,7 @@ class Address:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def parse(cls, key: str, value: str, source: str) -> "Address":
+    def parse(cls, key: str, value: str, source: str) -> Address:
         parts = urlsplit(value if "://" in value else f"http://{value}")
         if parts.scheme == "https":
             raise fail(key, value, source, "https listeners are not supported yet (terminate TLS in a proxy)")

@@ -18,7 +18,7 @@ import json
 import re
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf import empty_pb2

@@ -27,7 +27,7 @@ _MESSAGE_OPTIONS = ("grpc.max_receive_message_length", "grpc.max_send_message_le
 class GrpcService:
     name = "gRPC APIs"
 
-    def __init__(self, server: "ConveyorServer") -> None:
+    def __init__(self, server: ConveyorServer) -> None:
         self.server = server
         self._servers: list[grpc.aio.Server] = []
         self.ports: dict[str, int] = {}

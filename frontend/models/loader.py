@@ -72,7 +72,7 @@ async def download(config: ServerConfig, url: str) -> Path:
                 async for chunk in response.content.iter_chunked(1 << 20):
                     out.write(chunk)
         partial.rename(target)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise ModelLoadError(f"Failed to download model from {url}: {exc}") from None
     finally:
         partial.unlink(missing_ok=True)
@@ -105,10 +105,10 @@ async def open_model(
         # The API's name / handler win over the manifest's (TorchServe's rule); the manifest sent to
         # workers says the same, so the handler's context agrees with the server.
         manifest = dict(archive.manifest)
-        manifest["model"] = {**manifest.get("model", {}), **{
+        manifest["model"] = {**manifest.get("model", {}), 
             "modelName": overrides.get("model_name", archive.model_name),
-            "handler": overrides.get("handler", archive.handler),
-        }}
+            "handler": overrides.get("handler", archive.handler)
+        }
         archive = dataclasses.replace(archive, manifest=manifest, **overrides)
     return archive
 

@@ -17,7 +17,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 from backend.archive import ModelArchive
 from frontend.batching.model_batcher import ModelBatcher

@@ -14,7 +14,7 @@ unfinished request, and the handler frees a request on its CANCEL — so it coun
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 from backend.protocol import WireResult
 from frontend.metrics import LLMSample
@@ -32,7 +32,7 @@ class WorkerLoad:
     waiting: int  # accepted by the handler, waiting for KV budget
 
     @classmethod
-    def parse(cls, value: str) -> "WorkerLoad | None":
+    def parse(cls, value: str) -> WorkerLoad | None:
         fields: dict[str, int] = {}
         for part in value.split(";"):
             key, _, number = part.partition("=")

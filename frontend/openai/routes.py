@@ -50,10 +50,21 @@ def from_conveyor(exc: ConveyorError) -> OpenAIError:
 class _Generation:
     """One request's job on its way: reads the sink, skips empty chunks, keeps the LLM metrics."""
 
-    __slots__ = ("load", "model", "job", "sink", "completion", "started", "last_token_at", "_ttft", "_itl",
-                 "_tokens", "_prompt_tokens")
+    __slots__ = (
+        "_itl",
+        "_prompt_tokens",
+        "_tokens",
+        "_ttft",
+        "completion",
+        "job",
+        "last_token_at",
+        "load",
+        "model",
+        "sink",
+        "started",
+    )
 
-    def __init__(self, api: "OpenAIApi", model: ModelVersion, job: Job, sink: ResponseSink,
+    def __init__(self, api: OpenAIApi, model: ModelVersion, job: Job, sink: ResponseSink,
                  completion: Completion, started: float) -> None:
         self.load = api.load
         self.model = model

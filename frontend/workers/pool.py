@@ -6,7 +6,7 @@ import asyncio
 import collections
 import itertools
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from frontend.batching.model_batcher import ModelBatcher
 from frontend.metrics import ServerMetrics

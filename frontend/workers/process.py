@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 READY_PREFIX = b"CONVEYOR_WORKER_LISTENING"
 STDERR_TAIL_LINES = 20
@@ -28,7 +28,7 @@ class SpawnError(Exception):
 
 
 class WorkerProcess:
-    __slots__ = ("worker_id", "sock_path", "proc", "stderr_tail", "_log", "_pumps", "_ready", "_oom_kills_at_start")
+    __slots__ = ("_log", "_oom_kills_at_start", "_pumps", "_ready", "proc", "sock_path", "stderr_tail", "worker_id")
 
     def __init__(self, worker_id: str, sock_path: Path, proc: asyncio.subprocess.Process) -> None:
         self.worker_id = worker_id
@@ -57,7 +57,7 @@ class WorkerProcess:
     async def spawn(
         cls, worker_id: str, sock_path: Path, max_request_size: int, timeout: float,
         env: Mapping[str, str] | None = None, cwd: Path | None = None,
-    ) -> "WorkerProcess":
+    ) -> WorkerProcess:
         """Start ``python -m backend.worker`` and return once it listens (or raise SpawnError)."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "backend.worker",
@@ -143,7 +143,7 @@ class WorkerProcess:
         if self.proc.returncode is None and grace > 0:
             try:
                 await asyncio.wait_for(self.proc.wait(), grace)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._log.warning("worker %s did not exit within %.1f s; killing it", self.worker_id, grace)
         await self.kill()
 

@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from backend.protocol import (
-    HEADER_SIZE, ConnectionClosed, InferReply, InferRequest, LoadReply, LoadRequest, Message, ProtocolError,
-    RequestState, Shutdown, WireRequest, WireResult, decode_header, decode_payload, read_message, write_message,
+    ConnectionClosed, InferReply, InferRequest, LoadReply, LoadRequest, Message, ProtocolError,
+    RequestState, Shutdown, WireRequest, WireResult, decode_payload, read_frame, read_message, write_message,
 )
 from frontend.batching.base import Aggregator, Frame
 from frontend.batching.model_batcher import ModelBatcher
@@ -139,7 +139,7 @@ def requeue(batcher: ModelBatcher, jobs: list[Job], wake: Callable[[], None]) ->
 class Worker:
     def __init__(
         self, worker_id: str, spec: WorkerSpec, batcher: ModelBatcher, metrics: ServerMetrics,
-        gpu_id: int = -1, on_state: Callable[["Worker"], None] | None = None,
+        gpu_id: int = -1, on_state: Callable[[Worker], None] | None = None,
         wake_pool: Callable[[], None] = lambda: None,
     ) -> None:
         self.worker_id = worker_id
@@ -189,7 +189,7 @@ class Worker:
         self._wake.set()
         try:
             return await asyncio.wait_for(asyncio.shield(probe), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
 
     def describe_state(self) -> dict[str, int]:
@@ -256,7 +256,7 @@ class Worker:
                     log.info("restarting worker %s in %g s (attempt %d)", self.worker_id, delay, attempt + 1)
                     try:
                         await asyncio.wait_for(self._stopping.wait(), delay)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
         finally:
             if not self._first_load.done():
@@ -333,7 +333,7 @@ class Worker:
         """A failure message with the exit status when the process is (about to be) gone."""
         try:
             await asyncio.wait_for(proc.wait(), 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         status = f", {describe_exit(proc.returncode)}" if proc.returncode is not None else ""
         oom = proc.out_of_memory()
@@ -354,7 +354,7 @@ class Worker:
                 raise await self._failure(proc, "exited")
             try:
                 loop_task.result()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise WorkerFailure(f"model '{self.spec.model_name}' worker {self.worker_id} (pid {proc.pid}) gave no "
                                     f"reply within responseTimeout={self.spec.response_timeout:g} s; killed") from None
             except ProtocolError as exc:
@@ -478,15 +478,7 @@ def probe_counts(reply: InferReply) -> dict[str, int] | None:
 async def _read_reply(reader: asyncio.StreamReader, max_payload: int) -> tuple[Message, float]:
     """``read_message``, split so the step-overhead timer starts once the reply's bytes are in:
     decoding them is frontend work, waiting for them is not. Returns (message, perf_counter())."""
-    try:
-        header = await reader.readexactly(HEADER_SIZE)
-    except asyncio.IncompleteReadError as exc:
-        raise ConnectionClosed(partial=bool(exc.partial)) from None
-    msg_type, length = decode_header(header, max_payload)
-    try:
-        payload = await reader.readexactly(length) if length else b""
-    except asyncio.IncompleteReadError:
-        raise ConnectionClosed(partial=True) from None
+    msg_type, payload = await read_frame(reader, max_payload)
     received_at = time.perf_counter()
     return decode_payload(msg_type, payload), received_at
 
@@ -500,8 +492,18 @@ class StepMeter:
     logged at DEBUG (``frontend.workers.worker``) so a benchmark can take exact percentiles.
     """
 
-    __slots__ = ("worker_id", "_steps", "_batch_size", "_cancels", "_queue", "_first", "_between", "_overhead",
-                 "_last_at", "_debug")
+    __slots__ = (
+        "_batch_size",
+        "_between",
+        "_cancels",
+        "_debug",
+        "_first",
+        "_last_at",
+        "_overhead",
+        "_queue",
+        "_steps",
+        "worker_id",
+    )
 
     def __init__(self, metrics: ServerMetrics, model_name: str, worker_id: str) -> None:
         self.worker_id = worker_id

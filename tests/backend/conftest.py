@@ -11,7 +11,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -57,7 +58,7 @@ class WorkerProcess:
         self.worker_id = worker_id
         self.stderr_path = workdir / f"{worker_id}.stderr"
         self._stderr = open(self.stderr_path, "wb")
-        self.sock: Optional[socket.socket] = None
+        self.sock: socket.socket | None = None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "backend.worker", "--sock-path", self.sock_path, "--worker-id", worker_id,
              *extra_args],
@@ -72,7 +73,7 @@ class WorkerProcess:
             raise AssertionError(f"worker printed nothing in {timeout}s; stderr: {self.stderr()}")
         return self.proc.stdout.readline().decode().rstrip("\n")
 
-    def connect(self) -> "WorkerProcess":
+    def connect(self) -> WorkerProcess:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(60)
         self.sock.connect(self.sock_path)
@@ -86,8 +87,8 @@ class WorkerProcess:
         assert self.sock is not None
         return recv_message(self.sock)
 
-    def load(self, model_dir: Path | str, handler: str, batch_size: int = 4, manifest: Optional[dict] = None,
-             yaml_config: Optional[dict] = None, max_response_size: int = 6553500, name: str = "m") -> LoadReply:
+    def load(self, model_dir: Path | str, handler: str, batch_size: int = 4, manifest: dict | None = None,
+             yaml_config: dict | None = None, max_response_size: int = 6553500, name: str = "m") -> LoadReply:
         self.send(LoadRequest(name, str(model_dir), handler, self.worker_id, batch_size, -1, max_response_size,
                               json.dumps(manifest or {}), json.dumps(yaml_config or {})))
         reply = self.recv()

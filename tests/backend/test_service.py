@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch

@@ -18,7 +18,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import jsonschema
 import kubernetes_validate

@@ -8,7 +8,7 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from aiohttp import web

@@ -4,7 +4,7 @@ health and readiness (a drain turns readiness false), error shapes, and the tens
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from aiohttp import web

@@ -7,7 +7,7 @@ import asyncio
 import socket
 import time
 from pathlib import Path
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest

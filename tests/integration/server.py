@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import requests
 
@@ -98,7 +98,7 @@ class ConveyorProcess:
     def metrics(self) -> str:
         return f"http://127.0.0.1:{self.ports['metrics']}"
 
-    def start(self, timeout: float = 60.0) -> "ConveyorProcess":
+    def start(self, timeout: float = 60.0) -> ConveyorProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.argv, cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
@@ -149,7 +149,7 @@ class ConveyorProcess:
             self.proc.stdout.close()
         return self.proc.returncode
 
-    def __enter__(self) -> "ConveyorProcess":
+    def __enter__(self) -> ConveyorProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

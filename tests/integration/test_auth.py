@@ -13,7 +13,7 @@ import json
 import re
 import stat
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import requests

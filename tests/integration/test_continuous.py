@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest

@@ -8,7 +8,8 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import requests

@@ -31,7 +31,8 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import requests
@@ -97,7 +98,7 @@ class Proxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "Proxy":
+    def __enter__(self) -> Proxy:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)

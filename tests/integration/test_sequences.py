@@ -24,7 +24,8 @@ import signal
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 import pytest
 import requests

@@ -14,7 +14,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest

@@ -5,7 +5,7 @@ and the model serves the next request."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import requests
