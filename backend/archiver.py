@@ -29,7 +29,6 @@ import tempfile
 import zipfile
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
 from collections.abc import Sequence
 
 from backend.archive import MANIFEST_PATH

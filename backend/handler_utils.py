@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 from collections.abc import Mapping, Sequence
 
 from backend.context import Context

@@ -24,7 +24,7 @@ import os
 import sys
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii
-from typing import Any, Optional
+from typing import Any
 from collections.abc import Sequence
 
 from backend.protocol import InputParameter, RequestFlags

@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from backend.context import Context, RequestEntry

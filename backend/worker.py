@@ -33,7 +33,6 @@ import signal
 import socket
 import sys
 import time
-from typing import Optional
 from collections.abc import Sequence
 
 from backend.context import SERVER_VERSION, Context

@@ -7,7 +7,7 @@ back as is; both servers decode a JSON body with ``json.loads`` before the handl
 non-string output with ``json.dumps(indent=2)`` after it, so the work per request is the same.
 """
 
-from typing import Any, List, Optional
+from typing import Any
 
 
 def handle(data: list[Any] | None, context: Any) -> list[Any] | None:

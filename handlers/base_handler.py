@@ -22,7 +22,7 @@ import importlib
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 from collections.abc import Callable
 
 import torch

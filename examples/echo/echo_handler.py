@@ -8,7 +8,7 @@ tests can see batching happen. A request without a body (form fields only) gets 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from backend.context import Context
 

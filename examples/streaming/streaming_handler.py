@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
 
 from backend.context import Context
 from backend.handler_utils import send_intermediate_predict_response

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 from collections.abc import Iterator, Sequence
 
 import pytest
