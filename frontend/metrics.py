@@ -7,11 +7,15 @@ collector, so they can never drift from the truth.
 
 from __future__ import annotations
 
+import itertools
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # Latency buckets from 1 ms to 60 s: echo requests sit at the low end, LLM streams at the high end.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -22,6 +26,67 @@ _OVERHEAD_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 700e-6, 0.001, 0.002,
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx"
+
+
+class _CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket (not cumulative); the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
+        self.sum += value
+
+
+class LoopMetric(Collector):
+    """A labelled counter or histogram updated only from the event loop: plain numbers, turned into
+    Prometheus samples at scrape time. prometheus_client's own take a lock per update (a histogram
+    observation takes two), a measurable share of the frontend's CPU per request at thousands of
+    requests per second (docs/benchmarks.md); the exposition is the same."""
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], registry: CollectorRegistry,
+                 buckets: tuple[float, ...] | None = None) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.buckets = buckets  # None: a counter
+        self._children: dict[tuple[str, ...], Any] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values!r}")
+            child = self._children[values] = _CounterChild() if self.buckets is None else _HistogramChild(self.buckets)
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        if self.buckets is None:
+            counter = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+            for values, child in self._children.items():
+                counter.add_metric(list(values), child.value)
+            yield counter
+            return
+        histogram = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        bounds = [floatToGoString(bound) for bound in self.buckets] + ["+Inf"]
+        for values, child in self._children.items():
+            cumulative = list(itertools.accumulate(child.counts))
+            histogram.add_metric(list(values), list(zip(bounds, cumulative)), child.sum)
+        yield histogram
 
 
 class _StateCollector(Collector):
@@ -108,69 +173,55 @@ class ServerMetrics:
         # The *_created series double the output and no dashboard here uses them (process-global).
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
-        self.http_requests = Counter(
+        self.http_requests = LoopMetric(
             "conveyor_http_requests", "HTTP requests answered, by API and status class",
-            ["api", "status_class"], registry=self.registry,
-        )
-        self.inference_requests = Counter(
+            ["api", "status_class"], self.registry)
+        self.inference_requests = LoopMetric(
             "conveyor_inference_requests", "Inference requests answered, by model and status class",
-            ["model", "status_class"], registry=self.registry,
-        )
-        self.inference_latency = Histogram(
+            ["model", "status_class"], self.registry)
+        self.inference_latency = LoopMetric(
             "conveyor_inference_latency_seconds", "Time from accepting an inference request to its last byte",
-            ["model"], buckets=_BUCKETS, registry=self.registry,
-        )
-        self.queue_latency = Histogram(
+            ["model"], self.registry, buckets=_BUCKETS)
+        self.queue_latency = LoopMetric(
             "conveyor_queue_latency_seconds", "Time a job waited in its model's queue before a worker sent it",
-            ["model"], buckets=_BUCKETS, registry=self.registry,
-        )
+            ["model"], self.registry, buckets=_BUCKETS)
         self.worker_restarts = Counter(
             "conveyor_worker_restarts", "Worker processes that failed and were replaced", ["model"],
             registry=self.registry,
         )
         # Step loop and streams (issue 5), updated by workers/worker.py. "Steps per second" is
         # rate(conveyor_steps_total); queue wait is conveyor_queue_latency_seconds above.
-        self.steps = Counter(
-            "conveyor_steps", "INFER frames (steps) sent to workers", ["model"], registry=self.registry,
-        )
-        self.batch_size = Histogram(
+        self.steps = LoopMetric(
+            "conveyor_steps", "INFER frames (steps) sent to workers", ["model"], self.registry)
+        self.batch_size = LoopMetric(
             "conveyor_batch_size", "Active batch size of each step: NEW + CONTINUE entries of the frame",
-            ["model"], buckets=_BATCH_BUCKETS, registry=self.registry,
-        )
-        self.cancels_sent = Counter(
+            ["model"], self.registry, buckets=_BATCH_BUCKETS)
+        self.cancels_sent = LoopMetric(
             "conveyor_cancels_sent", "CANCEL entries sent to workers (client gone, request cancelled)", ["model"],
-            registry=self.registry,
-        )
-        self.time_to_first_chunk = Histogram(
+            self.registry)
+        self.time_to_first_chunk = LoopMetric(
             "conveyor_time_to_first_chunk_seconds", "Time from accepting a request to its first result",
-            ["model"], buckets=_BUCKETS, registry=self.registry,
-        )
-        self.time_between_chunks = Histogram(
+            ["model"], self.registry, buckets=_BUCKETS)
+        self.time_between_chunks = LoopMetric(
             "conveyor_time_between_chunks_seconds", "Time between two results of one streamed request",
-            ["model"], buckets=_BUCKETS, registry=self.registry,
-        )
-        self.step_overhead = Histogram(
+            ["model"], self.registry, buckets=_BUCKETS)
+        self.step_overhead = LoopMetric(
             "conveyor_step_overhead_seconds", "Frontend time per step of a busy worker: from the reply's "
             "bytes read to the next frame written (decode, dispatch, next frame built, encoded, sent)",
-            ["model"], buckets=_OVERHEAD_BUCKETS, registry=self.registry,
-        )
+            ["model"], self.registry, buckets=_OVERHEAD_BUCKETS)
 
         # LLM block (issue 6), fed by the OpenAI routes (frontend/openai/): tokens/s is
         # rate(conveyor_llm_generation_tokens_total); active sequences are the streams in flight.
-        self.llm_time_to_first_token = Histogram(
+        self.llm_time_to_first_token = LoopMetric(
             "conveyor_llm_time_to_first_token_seconds", "Time from accepting a request to its first generated token",
-            ["model"], buckets=_BUCKETS, registry=self.registry,
-        )
-        self.llm_inter_token_latency = Histogram(
+            ["model"], self.registry, buckets=_BUCKETS)
+        self.llm_inter_token_latency = LoopMetric(
             "conveyor_llm_inter_token_latency_seconds", "Time between two generated tokens of one request",
-            ["model"], buckets=_TOKEN_BUCKETS, registry=self.registry,
-        )
-        self.llm_generation_tokens = Counter(
-            "conveyor_llm_generation_tokens", "Tokens generated", ["model"], registry=self.registry,
-        )
-        self.llm_prompt_tokens = Counter(
-            "conveyor_llm_prompt_tokens", "Prompt tokens of requests answered", ["model"], registry=self.registry,
-        )
+            ["model"], self.registry, buckets=_TOKEN_BUCKETS)
+        self.llm_generation_tokens = LoopMetric(
+            "conveyor_llm_generation_tokens", "Tokens generated", ["model"], self.registry)
+        self.llm_prompt_tokens = LoopMetric(
+            "conveyor_llm_prompt_tokens", "Prompt tokens of requests answered", ["model"], self.registry)
         self.llm_active_sequences = Gauge(
             "conveyor_llm_active_sequences", "Generation requests in flight (queued or generating)", ["model"],
             registry=self.registry,

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from aiohttp import web
 
 from frontend.api.common import Authorizer, GuardedAppRunner, InFlight, make_app
+from frontend.api.fast_path import FastPath
 from frontend.api.inference import InferenceApi
 from frontend.api.kserve import KServeApi
 from frontend.api.management import ManagementApi
@@ -110,6 +111,7 @@ class ConveyorServer:
         self._runners: dict[str, web.AppRunner] = {}  # API name → runner, in start order
         self._service_factories = list(services)
         self._services: list[Service] = []
+        self._inference_api: InferenceApi | None = None  # made by create_apps; the fast path serves it too
 
     # App factory ----------------------------------------------------------------------------------
 
@@ -117,7 +119,8 @@ class ConveyorServer:
         cfg = self.config
         guards = {"in_flight": self.in_flight, "body_timeout": cfg.request_body_timeout}
         inference = make_app("inference", self.metrics, self.authorizer, client_max_size=cfg.max_request_size, **guards)
-        InferenceApi(self.registry, cfg, self.metrics).add_routes(inference)
+        self._inference_api = InferenceApi(self.registry, cfg, self.metrics)
+        self._inference_api.add_routes(inference)
         # KServe v1 / Open Inference v2 / /health (issue 11), before the OpenAI routes: it serves the shared
         # GET /v1/models/{m}. Readiness reads the drain flag that stop() sets first.
         KServeApi(self.registry, cfg, self.metrics, lambda: self.in_flight.closing).add_routes(inference)
@@ -161,8 +164,12 @@ class ConveyorServer:
         for name, app in apps.items():
             # handler_cancellation: a client that disconnects cancels its handler, which cancels the job.
             # stop() waits for in-flight requests itself; the runner's own wait is the last resort.
+            access_log = log.getChild("access")
+            # The inference port's hot routes skip aiohttp's per-request machinery (fast_path.py).
+            front = FastPath(self._inference_api, self.authorizer, self.metrics, self.in_flight,
+                             cfg.request_body_timeout, cfg.max_request_size, access_log) if name == "inference" else None
             runner = GuardedAppRunner(app, max_connections=cfg.max_connections, handler_cancellation=True,
-                                      shutdown_timeout=FAIL_GRACE, access_log=log.getChild("access"))
+                                      shutdown_timeout=FAIL_GRACE, access_log=access_log, front=front)
             await runner.setup()
             self._runners[name] = runner
             address = addresses[name]

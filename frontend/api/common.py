@@ -69,16 +69,37 @@ def request_id(request: web.Request) -> str:
     return request[REQUEST_ID_KEY]
 
 
+def choose_request_id(client_id: str) -> str:
+    """A client's ``x-request-id`` is echoed when it is sane (tracing across proxies); else we make one."""
+    return client_id if client_id and _CLIENT_ID.fullmatch(client_id) else new_request_id()
+
+
+def body_timeout_error(timeout: float, content_length: int | None) -> RequestTimeout:
+    announced = f"{content_length} bytes announced" if content_length is not None else "chunked"
+    return RequestTimeout(f"The request body was not received within request_body_timeout={timeout:g} s ({announced})")
+
+
+SHUTTING_DOWN_MESSAGE = "Conveyor is shutting down; retry on another replica"
+
+
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     # indent=2 like TorchServe: humans read describe/list output with curl.
     return web.Response(text=json.dumps(data, indent=2), status=status, content_type="application/json",
                         headers=headers)
 
 
+def error_parts(exc: ConveyorError) -> tuple[int, dict[str, str], bytes]:
+    """The one place a typed error becomes an HTTP response: (status, headers, JSON body)."""
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    return exc.status, headers, json.dumps(exc.to_json(), indent=2).encode()
+
+
 def error_response(exc: ConveyorError) -> web.Response:
-    """The one place a typed error becomes an HTTP response."""
-    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    return json_response(exc.to_json(), status=exc.status, headers=headers)
+    """``error_parts`` as an aiohttp response."""
+    status, headers, body = error_parts(exc)
+    return web.Response(body=body, status=status, headers=headers)
 
 
 def _from_http_exception(exc: web.HTTPException) -> ConveyorError:
@@ -187,9 +208,7 @@ def make_middlewares(api: str, metrics: ServerMetrics, authorizer: Authorizer, i
 
     @web.middleware
     async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        client_id = request.headers.get(REQUEST_ID_HEADER, "")
-        # A client's id is echoed when it is sane (tracing across proxies); else we make one.
-        request[REQUEST_ID_KEY] = client_id if client_id and _CLIENT_ID.fullmatch(client_id) else new_request_id()
+        request[REQUEST_ID_KEY] = choose_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
         tracker.enter()
         # A body already received in full (a small one comes with the headers) cannot stall: no timer.
         pending_body = request.body_exists and not request.content.is_eof()
@@ -198,7 +217,7 @@ def make_middlewares(api: str, metrics: ServerMetrics, authorizer: Authorizer, i
             if tracker.closing and request.method not in _READ_METHODS:
                 # New work on a keep-alive connection after shutdown began (reads — health checks,
                 # describe, metrics — are still answered while the in-flight requests finish).
-                response = error_response(ServiceUnavailable("Conveyor is shutting down; retry on another replica"))
+                response = error_response(ServiceUnavailable(SHUTTING_DOWN_MESSAGE))
                 response.force_close()
             else:
                 authorizer.check(request, api)  # the auth hook; its Unauthorized is mapped below
@@ -206,9 +225,7 @@ def make_middlewares(api: str, metrics: ServerMetrics, authorizer: Authorizer, i
         except asyncio.CancelledError:
             if deadline is None or not deadline.expired:
                 raise  # the client went away (handler_cancellation) or the server stops
-            announced = f"{request.content_length} bytes announced" if request.content_length is not None else "chunked"
-            response = error_response(RequestTimeout(
-                f"The request body was not received within request_body_timeout={body_timeout:g} s ({announced})"))
+            response = error_response(body_timeout_error(body_timeout, request.content_length))
             response.force_close()
         except ConveyorError as exc:
             response = error_response(exc)
@@ -318,30 +335,64 @@ class _Refusal(asyncio.Protocol):
         self._transport = None
 
 
+class ConnectionFront(Protocol):
+    """Serves connections of a listener before aiohttp does, and hands them over to it at will
+    (frontend/api/fast_path.py's ``FastPath`` on the inference port)."""
+
+    connections: Any  # its open connections (a sized collection)
+
+    def connect(self, handover: Callable[[], asyncio.Protocol]) -> asyncio.Protocol: ...
+
+    def pre_shutdown(self) -> None: ...
+
+    def close_all(self) -> None: ...
+
+
 class _GuardedServer(web.Server):
-    """The protocol factory of one listener: JSON errors, and at most ``max_connections`` open."""
+    """The protocol factory of one listener: JSON errors, at most ``max_connections`` open, and
+    the listener's ``front`` (if any) taking each connection first."""
 
     max_connections: int = 1024
     num_refused: int = 0
+    front: ConnectionFront | None = None
 
     def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections:
+        front = self.front
+        num_open = len(self._connections) + (len(front.connections) if front is not None else 0)
+        if num_open >= self.max_connections:
             self.num_refused += 1
             if self.num_refused == 1 or self.num_refused % 1000 == 0:
                 log.warning("refused a connection: %d open (max_connections=%d); %d refused so far",
-                            len(self.connections), self.max_connections, self.num_refused)
+                            num_open, self.max_connections, self.num_refused)
             return _Refusal(self.max_connections)
+        if front is not None:
+            return front.connect(self._aiohttp_protocol)
+        return self._aiohttp_protocol()
+
+    def _aiohttp_protocol(self) -> asyncio.Protocol:
         return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+    def pre_shutdown(self) -> None:
+        super().pre_shutdown()
+        if self.front is not None:
+            self.front.pre_shutdown()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        if self.front is not None:
+            self.front.close_all()
+        await super().shutdown(timeout)
 
 
 class GuardedAppRunner(web.AppRunner):
     """``web.AppRunner`` whose listeners use ``_GuardedServer``."""
 
-    __slots__ = ("max_connections",)
+    __slots__ = ("front", "max_connections")
 
-    def __init__(self, app: web.Application, *, max_connections: int, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, *, max_connections: int, front: ConnectionFront | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
+        self.front = front
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
@@ -349,4 +400,5 @@ class GuardedAppRunner(web.AppRunner):
         # (``__call__``) changes, so adopting the instance keeps every other behaviour as is.
         server.__class__ = _GuardedServer
         server.max_connections = self.max_connections  # type: ignore[attr-defined]
+        server.front = self.front  # type: ignore[attr-defined]
         return server

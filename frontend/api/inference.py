@@ -4,20 +4,22 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
-from backend.protocol import RequestFlags
-from frontend.api.common import error_response, json_response, request_id
+from backend.protocol import InputParameter, RequestFlags
+from frontend.api.common import error_parts, json_response, request_id
 from frontend.api.openapi import api_description
 from frontend.api.payload import check_content_length, read_parameters, request_headers, sequence_fields
-from frontend.api.streaming import respond
+from frontend.api.streaming import AiohttpWriter, ResultWriter, StreamMode, choose_mode, respond
 from frontend.config import ServerConfig
 from frontend.errors import ConveyorError
 from frontend.jobs import Job
 from frontend.metrics import ServerMetrics, status_class
 from frontend.models import ModelRegistry
+from frontend.models.registry import ModelVersion
 from frontend.models.health import health_status, unhealthy_models
 from frontend.sinks import ResponseSink
 
@@ -40,13 +42,17 @@ class InferenceApi:
                 app.router.add_post(path, handler)
                 app.router.add_put(path, handler)
 
-    async def ping(self, request: web.Request) -> web.Response:
+    def ping_result(self) -> tuple[int, dict[str, object]]:
         """TorchServe's health rule over default versions: Healthy, Partial Healthy or Unhealthy."""
         status = health_status(self.registry)
         body: dict[str, object] = {"status": status}
         if status != "Healthy":  # which models are down, and why (absent when all is well, as TorchServe)
             body["unhealthyModels"] = unhealthy_models(self.registry)
-        return json_response(body, status=500 if status == "Unhealthy" else 200)
+        return 500 if status == "Unhealthy" else 200, body
+
+    async def ping(self, request: web.Request) -> web.Response:
+        status, body = self.ping_result()
+        return json_response(body, status=status)
 
     async def describe_api(self, request: web.Request) -> web.Response:
         return json_response(api_description("inference"))
@@ -59,42 +65,53 @@ class InferenceApi:
 
     async def _infer(self, request: web.Request, explain: bool) -> web.StreamResponse:
         started = time.monotonic()
-        name = request.match_info["model"]
-        model = self.registry.get(name, request.match_info.get("version"))
+        model = self.registry.get(request.match_info["model"], request.match_info.get("version"))
         check_content_length(request, self.config.max_request_size)
         parameters = await read_parameters(request, self.config.max_request_size)
-        headers = request_headers(request.headers)
+        writer = AiohttpWriter(request)
+        mode = choose_mode(request.version, request.headers)
+        await self.run(model, request_id(request), request.headers, parameters, explain, mode, writer, started)
+        assert writer.response is not None  # run() wrote a response or raised
+        return writer.response
+
+    async def run(self, model: ModelVersion, rid: str, headers: Mapping[str, str], parameters: list[InputParameter],
+                  explain: bool, mode: StreamMode, writer: ResultWriter, started: float) -> int:
+        """One prediction, whatever carries it (aiohttp, or the fast path of frontend/api/fast_path.py):
+        the job goes to the model's queue and its results to ``writer``. Returns the status written.
+        Errors before the job is queued are raised for the caller's error mapping, except for a
+        sequence model, whose errors carry the sequence id header and are written here."""
+        header_list = request_headers(headers)
         if explain:
-            headers.append(("explain", "True"))  # TorchServe's signal to call the handler's explain
+            header_list.append(("explain", "True"))  # TorchServe's signal to call the handler's explain
         extra: dict[str, str] = {}
         sequence_id, flags = "", RequestFlags.NONE
         if model.config.sequence_batching:
-            sequence_id, flags, generated = sequence_fields(request.headers, self.config)
+            sequence_id, flags, generated = sequence_fields(headers, self.config)
             if generated:  # TorchServe handlers read the id from the headers too
-                headers.append((self.config.sequence_id_header, sequence_id))
+                header_list.append((self.config.sequence_id_header, sequence_id))
             extra[self.config.sequence_id_header] = sequence_id
         sink = ResponseSink()
         now = model.batcher.clock()
         timeout_ms = model.config.client_timeout_ms
         job = Job(
-            request_id(request), model.name, model.version, headers, parameters, sequence_id=sequence_id,
+            rid, model.name, model.version, header_list, parameters, sequence_id=sequence_id,
             flags=flags, sink=sink, created_at=now, deadline=now + timeout_ms / 1000.0 if timeout_ms else None,
         )
         status = 500
         submitted = False
         try:
-            model.submit(job)  # QueueFull / NoWorkers / sequence errors: raised now, answered by the middleware
+            model.submit(job)  # QueueFull / NoWorkers / sequence errors: raised now, mapped by the caller
             submitted = True
-            response = await respond(request, sink, extra)
-            status = response.status
-            return response
+            status = await respond(sink, extra, mode, writer)
+            return status
         except ConveyorError as exc:
             status = exc.status
             if not extra:
-                raise  # answered by the middleware
-            response = error_response(exc)
-            response.headers.update(extra)  # a sequence model's errors carry the sequence id too
-            return response
+                raise  # mapped by the caller
+            status, error_headers, body = error_parts(exc)
+            error_headers.update(extra)  # a sequence model's errors carry the sequence id too
+            writer.complete(status, error_headers, body)
+            return status
         except BaseException as exc:
             status = getattr(exc, "status", 499 if not isinstance(exc, Exception) else 500)
             raise

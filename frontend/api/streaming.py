@@ -20,6 +20,8 @@ response that fails answers with the error alone.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from enum import Enum
 
 from aiohttp import web
@@ -46,13 +48,62 @@ class StreamMode(Enum):
     BUFFERED = "buffered"
 
 
-def choose_mode(request: web.Request) -> StreamMode:
+def choose_mode(version: tuple[int, int], headers: Mapping[str, str]) -> StreamMode:
     """How a streamed result reaches this client (see the module docstring)."""
-    if request.version < (1, 1) or request.headers.get(STREAM_REQUEST_HEADER, "").strip().lower() in _NO:
+    if version < (1, 1) or headers.get(STREAM_REQUEST_HEADER, "").strip().lower() in _NO:
         return StreamMode.BUFFERED
-    if "text/event-stream" in request.headers.get("Accept", ""):
+    if "text/event-stream" in headers.get("Accept", ""):
         return StreamMode.SSE
     return StreamMode.CHUNKED
+
+
+class ResultWriter(ABC):
+    """One HTTP response in the making, whatever writes it: aiohttp (``AiohttpWriter``) or the
+    inference port's fast path (frontend/api/fast_path.py). ``respond`` calls either ``complete``
+    once, or ``start`` then ``write``s then ``end``."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def complete(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        """A whole response (``headers`` holds its Content-Type)."""
+
+    @abstractmethod
+    async def start(self, status: int, headers: dict[str, str]) -> None:
+        """The head of a streamed response (chunked, or SSE when Content-Type says so)."""
+
+    @abstractmethod
+    async def write(self, data: bytes) -> None:
+        """One piece of a started stream; raises ConnectionError when the client is gone."""
+
+    @abstractmethod
+    async def end(self) -> None:
+        """The end of a started stream."""
+
+
+class AiohttpWriter(ResultWriter):
+    """``ResultWriter`` over an aiohttp request; ``response`` is what the route handler returns."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    def complete(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.response = web.Response(body=body, status=status, headers=headers)
+
+    async def start(self, status: int, headers: dict[str, str]) -> None:
+        self.response = web.StreamResponse(status=status, headers=headers)
+        await self.response.prepare(self.request)  # chunked: HTTP/1.1 without a Content-Length
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
 
 
 def _result_error(result: WireResult) -> ConveyorError:
@@ -63,23 +114,22 @@ def _result_error(result: WireResult) -> ConveyorError:
 def _headers(result: WireResult, extra: dict[str, str]) -> dict[str, str]:
     # ``extra`` (the frontend's own, e.g. the sequence id) replaces a handler header of the same
     # name in any case: HTTP names are case-insensitive, so keeping both would duplicate it.
-    skip = _SKIP_HEADERS | {name.lower() for name in extra}
+    skip = _SKIP_HEADERS | {name.lower() for name in extra} if extra else _SKIP_HEADERS
     headers = {name: value for name, value in result.headers if name.lower() not in skip}
     headers.update(extra)
     return headers
 
 
-def complete_response(result: WireResult, extra: dict[str, str], body: bytes | None = None) -> web.Response:
-    """One whole response. A handler error without a body of its own becomes TorchServe's JSON."""
+def complete_parts(result: WireResult, extra: dict[str, str], body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One whole response as (status, headers, body). A handler error without a body of its own
+    becomes TorchServe's JSON."""
     if result.status >= 400 and not result.body and body is None:
         error = _result_error(result)
-        return web.Response(text=json.dumps(error.to_json()), status=error.status, content_type="application/json",
-                            headers=extra)
+        return error.status, {**extra, "Content-Type": "application/json"}, json.dumps(error.to_json()).encode()
     headers = _headers(result, extra)
-    # The handler's content type (with its charset) goes out as given: one header, no parsing
-    # through aiohttp's content_type/charset setters on the hot path.
+    # The handler's content type (with its charset) goes out as given.
     headers["Content-Type"] = result.content_type or "application/octet-stream"
-    return web.Response(body=result.body if body is None else body, status=result.status, headers=headers)
+    return result.status, headers, result.body if body is None else body
 
 
 def _sse_event(data: bytes, event: str | None = None) -> bytes:
@@ -89,14 +139,17 @@ def _sse_event(data: bytes, event: str | None = None) -> bytes:
     return ("\n".join(lines) + "\n\n").encode()
 
 
-async def respond(request: web.Request, sink: ResponseSink, extra_headers: dict[str, str]) -> web.StreamResponse:
-    """Await the job's results and write them to the client in the shape the first one decides."""
+async def respond(sink: ResponseSink, extra_headers: dict[str, str], mode: StreamMode, writer: ResultWriter) -> int:
+    """Await the job's results and write them with ``writer`` in the shape the first one decides
+    (``mode``: how a stream reaches this client). Returns the response's status; a failure before
+    anything was written is raised (a ConveyorError), for the caller's error mapping."""
     first = await sink.next()
     if isinstance(first, Failure):
         raise first.error
     if first.done or first.status >= 400:
-        return complete_response(first, extra_headers)
-    mode = choose_mode(request)
+        status, headers, body = complete_parts(first, extra_headers)
+        writer.complete(status, headers, body)
+        return status
     if mode == StreamMode.BUFFERED:
         bodies = [first.body]
         while True:
@@ -107,33 +160,34 @@ async def respond(request: web.Request, sink: ResponseSink, extra_headers: dict[
                 raise _result_error(item)
             bodies.append(item.body)
             if item.done:
-                return complete_response(first, extra_headers, b"".join(bodies))
+                status, headers, body = complete_parts(first, extra_headers, b"".join(bodies))
+                writer.complete(status, headers, body)
+                return status
 
-    response = web.StreamResponse(status=first.status, headers=_headers(first, extra_headers))
-    response.headers[STREAM_NEXT_HEADER] = "true"
+    headers = _headers(first, extra_headers)
+    headers[STREAM_NEXT_HEADER] = "true"
     if mode == StreamMode.SSE:
-        response.content_type = "text/event-stream"
-        response.headers["Cache-Control"] = "no-cache"
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
     else:
-        response.content_type = (first.content_type or "application/octet-stream").split(";")[0]
-        response.enable_chunked_encoding()
-    await response.prepare(request)
+        headers["Content-Type"] = (first.content_type or "application/octet-stream").split(";")[0]
+    await writer.start(first.status, headers)
     item: WireResult | Failure = first
     try:
         while True:
             if isinstance(item, Failure) or item.status >= 400:
                 error = item.error if isinstance(item, Failure) else _result_error(item)
                 payload = json.dumps(error.to_json()).encode()
-                await response.write(_sse_event(payload, "error") if mode == StreamMode.SSE else payload + b"\n")
+                await writer.write(_sse_event(payload, "error") if mode == StreamMode.SSE else payload + b"\n")
                 break
             if item.body:
-                await response.write(_sse_event(item.body) if mode == StreamMode.SSE else item.body)
+                await writer.write(_sse_event(item.body) if mode == StreamMode.SSE else item.body)
             if item.done:
                 break
             item = await sink.next()
-        await response.write_eof()
+        await writer.end()
     except ConnectionError:
         # The client went away mid-stream. The headers are sent, so there is no error to answer;
         # the caller sees the job unfinished and cancels it.
         pass
-    return response
+    return first.status

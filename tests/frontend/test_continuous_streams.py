@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from backend.protocol import InferReply, InferRequest, RequestState, WireResult, read_message, write_message
 from frontend.api.common import NoAuth, make_app
-from frontend.api.streaming import respond
+from frontend.api.streaming import AiohttpWriter, choose_mode, respond
 from frontend.batching.base import BatchConfig
 from frontend.batching.model_batcher import ModelBatcher
 from frontend.jobs import Job
@@ -39,7 +39,9 @@ def stream_app(results: list[Item]) -> web.Application:
                 sink.deliver(item)
             else:
                 sink.fail(*item)
-        return await respond(request, sink, {})
+        writer = AiohttpWriter(request)
+        await respond(sink, {}, choose_mode(request.version, request.headers), writer)
+        return writer.response
 
     app.router.add_post("/s", handler)
     return app

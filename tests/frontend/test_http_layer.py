@@ -15,7 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from backend.protocol import RequestFlags, WireResult
 from frontend.api.common import error_response, make_app
 from frontend.api.payload import check_content_length, read_parameters, sequence_fields
-from frontend.api.streaming import respond
+from frontend.api.streaming import AiohttpWriter, choose_mode, respond
 from frontend.config import load_server_config
 from frontend.errors import ConveyorError, QueueFull, SequenceExpired
 from frontend.metrics import ServerMetrics
@@ -134,7 +134,9 @@ def stream_app(results: list[WireResult | tuple[int, str]]) -> web.Application:
                 sink.deliver(item)
             else:
                 sink.fail(*item)
-        return await respond(request, sink, {"x-extra": "1"})
+        writer = AiohttpWriter(request)
+        await respond(sink, {"x-extra": "1"}, choose_mode(request.version, request.headers), writer)
+        return writer.response
 
     app.router.add_post("/s", handler)
     return app
