@@ -416,7 +416,8 @@ class Worker:
                     self._probe_sent = probe
                     write_message(writer, InferRequest(PROBE_FRAME_ID, (_STATE_PROBE,)))
                     await writer.drain()
-                    reply, _ = await asyncio.wait_for(_read_reply(reader, max_payload), timeout)
+                    async with asyncio.timeout(timeout):
+                        reply, _ = await _read_reply(reader, max_payload)
                     if not isinstance(reply, InferReply) or reply.frame_id != PROBE_FRAME_ID or not reply.final:
                         raise ProtocolError(f"expected the final INFER_REPLY for state probe frame {PROBE_FRAME_ID}, "
                                             f"got {type(reply).__name__}")
@@ -444,7 +445,9 @@ class Worker:
             if replied_at is not None:
                 meter.overhead(time.perf_counter() - replied_at, frame)
             while True:
-                reply, received_at = await asyncio.wait_for(_read_reply(reader, max_payload), timeout)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for wraps the read in a Task of its own.
+                async with asyncio.timeout(timeout):
+                    reply, received_at = await _read_reply(reader, max_payload)
                 if not isinstance(reply, InferReply) or reply.frame_id != frame.frame_id:
                     got = f"frame {reply.frame_id}" if isinstance(reply, InferReply) else type(reply).__name__
                     raise ProtocolError(f"expected INFER_REPLY for frame {frame.frame_id}, got {got}")
