@@ -15,6 +15,7 @@ remove the socket and extraction directories and the key file.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -248,6 +249,16 @@ class ConveyorServer:
                 report_failure(job, error)
 
 
+def _tune_gc() -> None:
+    """Requests allocate many short-lived containers that reference counting frees; the cyclic
+    collector's young-generation passes over them are pure cost on the hot path. Objects alive after
+    start-up (modules, config, the apps) move to the permanent generation, and a young collection
+    runs after 50,000 net allocations instead of 700."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
 async def serve(config: ServerConfig, on_started: Callable[[], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT. Returns the process exit code."""
     server = ConveyorServer(config, services=default_services())
@@ -264,6 +275,7 @@ async def serve(config: ServerConfig, on_started: Callable[[], None] | None = No
         log.info(STARTED_MESSAGE)
         if on_started is not None:
             on_started()
+        _tune_gc()
         await stop.wait()
         log.info("stopping: finishing in-flight requests, then stopping workers")
         return 0

@@ -194,12 +194,14 @@ class FastConnection(asyncio.Protocol):
         self._close_when_idle = False
         self._last_active = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop = cast(asyncio.AbstractEventLoop, None)
 
     # asyncio.Protocol --------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        loop = asyncio.get_running_loop()
+        # Kept: asyncio.get_running_loop() costs a getpid() system call on every call.
+        self._loop = loop = asyncio.get_running_loop()
         self._last_active = loop.time()
         self.fast.connections.add(self)
         self._task = loop.create_task(self._run())
@@ -234,7 +236,7 @@ class FastConnection(asyncio.Protocol):
 
     async def drain(self) -> None:
         if self.paused and not self._closed:
-            self._drain_waiter = asyncio.get_running_loop().create_future()
+            self._drain_waiter = self._loop.create_future()
             try:
                 await self._drain_waiter
             finally:
@@ -256,7 +258,7 @@ class FastConnection(asyncio.Protocol):
 
     async def _more(self) -> None:
         """Wait for more bytes (or EOF, or a timer's wake-up)."""
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:
@@ -280,7 +282,7 @@ class FastConnection(asyncio.Protocol):
 
     async def _next_request(self) -> _Request | None:
         """The next request served here; None once the connection is closed or handed over."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         while True:
             buf = self._buf
             end = buf.find(b"\r\n\r\n", 0, HEAD_LIMIT + 4)
@@ -363,7 +365,7 @@ class FastConnection(asyncio.Protocol):
                 expired = True
                 self._wake()
 
-            deadline = asyncio.get_running_loop().call_later(self.fast.body_timeout, expire)
+            deadline = self._loop.call_later(self.fast.body_timeout, expire)
         try:
             while len(self._buf) < need:
                 if self._closed:
@@ -424,7 +426,7 @@ class FastConnection(asyncio.Protocol):
 
     def _idle_check(self) -> None:
         self._timer = None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         if not self._idle:
             self._timer = loop.call_at(loop.time() + KEEPALIVE_TIMEOUT, self._idle_check)
         elif loop.time() >= self._last_active + KEEPALIVE_TIMEOUT:
