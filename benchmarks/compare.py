@@ -3,6 +3,7 @@
     python benchmarks/compare.py [--duration 5] [--rounds 2] [--concurrency 1 16 64] [--batch-sizes 1 8]
                                  [--servers conveyor torchserve [aiohttp] [baseline]] [--baseline-tree DIR]
                                  [--cold-starts 2] [--no-load] [--write-docs]
+    python benchmarks/compare.py --llm [--llm-models tiny,27m] [--rounds 2] [--write-docs]
 
 * ONE archive: ``benchmarks/ts_echo_handler.py`` (TorchServe-style, imports neither server) packed by
   TorchServe's own ``torch-model-archiver``. Each server registers it twice through its management
@@ -22,6 +23,9 @@
   a change), to measure a hot-path change as a ratio in the same interleaved run.
 * ``--servers ... aiohttp`` adds a bare aiohttp echo app (``BARE_AIOHTTP``: no middleware, no worker,
   no batching): the ceiling of any aiohttp-based frontend on the same machine, for context.
+* ``--llm`` runs the LLM comparison instead: Conveyor vs ``transformers serve --continuous-batching``
+  (bounded cache) on the same tiny model, tokens/s and time to first token (benchmarks/compare_llm.py;
+  ``--llm-models tiny,27m``, ``--transformers-python``); with ``--write-docs`` it fills its own block.
 * ``--write-docs`` replaces the generated block of the "Conveyor vs TorchServe" section of
   docs/benchmarks.md (between the ``compare.py`` markers) and leaves every other section alone.
 
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_llm  # noqa: E402
 from echo_load import WRK_SCRIPT, _wrk_ms, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -482,7 +487,12 @@ def main() -> int:
     parser.add_argument("--cold-starts", type=int, default=2, help="cold starts per server (0: skip)")
     parser.add_argument("--no-load", action="store_true", help="cold starts only")
     parser.add_argument("--write-docs", action="store_true", help=f"update {DOCS.relative_to(REPO)}")
+    parser.add_argument("--llm", action="store_true",
+                        help="instead: the LLM comparison with transformers serve (benchmarks/compare_llm.py)")
+    compare_llm.add_arguments(parser)
     args = parser.parse_args()
+    if args.llm:
+        return compare_llm.run(args)
     if not shutil.which("wrk") and not args.no_load:
         raise SystemExit("wrk is not on PATH (apt-get install -y wrk)")
     ts_bin = find_torchserve()

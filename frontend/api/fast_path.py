@@ -42,7 +42,13 @@ from multidict import CIMultiDict
 
 from backend.protocol import InputParameter
 from frontend.api.common import (
-    REQUEST_ID_HEADER, SHUTTING_DOWN_MESSAGE, Authorizer, InFlight, body_timeout_error, choose_request_id, error_parts,
+    REQUEST_ID_HEADER,
+    SHUTTING_DOWN_MESSAGE,
+    Authorizer,
+    InFlight,
+    body_timeout_error,
+    choose_request_id,
+    error_parts,
 )
 from frontend.api.inference import InferenceApi
 from frontend.api.payload import FORM_URLENCODED, MULTIPART_FORM
@@ -290,7 +296,9 @@ class FastConnection(asyncio.Protocol):
                 break
             if len(buf) > HEAD_LIMIT or self._closed or (buf and not _METHOD_START.match(buf)):
                 # Too long, or not HTTP at all (e.g. a TLS hello): aiohttp answers at once.
-                return self._hand_over() if buf and not self._closed else None
+                if buf and not self._closed:
+                    self._hand_over()
+                return None
             if not buf:
                 if self._close_when_idle:
                     self.transport.close()
@@ -302,7 +310,8 @@ class FastConnection(asyncio.Protocol):
             self._last_active = loop.time()
         request = self._parse_head(end + 4)
         if request is None:
-            return self._hand_over()
+            self._hand_over()
+            return None
         return await self._read_body(request, end + 4)
 
     def _parse_head(self, head_length: int) -> _Request | None:
@@ -352,7 +361,8 @@ class FastConnection(asyncio.Protocol):
             elif lowered == b"content-type":
                 content_type = value.decode("latin-1").partition(";")[0].strip().lower()
         if content_type in _FORMS:
-            return self._hand_over()
+            self._hand_over()
+            return None
         if length > self.fast.max_request_size:
             await self._refuse_too_large(request, length)
             return None
@@ -417,7 +427,6 @@ class FastConnection(asyncio.Protocol):
         data, self._buf = bytes(self._buf), bytearray()
         if data:
             protocol.data_received(data)
-        return None
 
     def _arm_idle_timer(self, loop: asyncio.AbstractEventLoop) -> None:
         # One timer per connection, re-armed lazily: a request does not pay for a timer of its own.
