@@ -21,6 +21,7 @@ process, reads the environment, logs or calls handler code.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -598,6 +599,14 @@ class SocketReader:
         if not data:
             raise ConnectionClosed(partial=bool(self._buf))
         self._buf += data
+
+    def input_ready(self) -> bool:
+        """Whether bytes of a next message are buffered or readable now; never blocks. A partly
+        arrived frame (or the peer's end of stream) counts: reading it will not wait long."""
+        if self._buf:
+            return True
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
 
     def recv_message(self, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Message:
         buf = self._buf

@@ -17,6 +17,14 @@ state: ``{"num_active": len(active)}`` plus the handler's own ``num_live_request
 The frontend sends one only when asked (``GET /models/{m}?state=true``), so leaked state is
 observable from outside at no cost to ordinary frames.
 
+Decode ahead (optional hook): a class handler's ``step_ahead()`` method, or a module-level
+``step_ahead(context)`` function. With continuous batching on (the model's effective
+``continuousBatching``), the worker calls ``step_ahead()`` here after it sent a frame's final reply
+and found no next frame waiting, so the handler can start the next step in time the worker would
+otherwise spend idle. If the hook raises, the error is kept and the next frame that reaches the
+handler fails as if ``handle`` had raised it (every request of that frame, same status, cancel hook
+called); the hook is not called again until then.
+
 Results: one per request in ``data``, matched by id. ``done`` is, in order of precedence:
 ``context.set_done(idx, ...)`` if called; else ``context.stopping_criteria[idx](output)`` if that
 exists and returns True/False (None: no opinion); else True. A done or failed request leaves
@@ -80,6 +88,25 @@ class Service:
         # does not, the least recently seen ids are dropped (and cancelled) past this many.
         self.max_active = max_active if max_active is not None else max(64, 4 * batch_size)
         self.active: OrderedDict[str, ActiveRequest] = OrderedDict()
+        yaml_config = context.model_yaml_config or {}
+        self._step_ahead = _step_ahead_hook(handler, context) if _runs_continuous(yaml_config) else None
+        self._ahead_error: Exception | None = None  # raised by the hook; fails the next frame
+
+    @property
+    def can_step_ahead(self) -> bool:
+        """Whether the worker should offer idle time between frames to ``step_ahead()``."""
+        return self._step_ahead is not None
+
+    def step_ahead(self) -> None:
+        """Let the handler start its next step now (module docstring, "Decode ahead")."""
+        if self._step_ahead is None or self._ahead_error is not None:
+            return
+        try:
+            self._step_ahead()
+        except Exception as exc:  # nothing to answer now: the next frame carries it, never the worker's death
+            logger.error("handler %s: step_ahead failed; the next frame fails with it", self.handler.description,
+                         exc_info=True)
+            self._ahead_error = exc
 
     # -------------------------------------------------------------------------------- the frame
 
@@ -156,6 +183,12 @@ class Service:
         ctx.begin_frame([RequestEntry(e.request_id, e.headers, e.sequence_id, new) for e, new in entries], cancelled)
         data = [dict(e.data) for e, _ in entries]
         ids = [e.request_id for e, _ in entries]
+        ahead_error, self._ahead_error = self._ahead_error, None
+        if ahead_error is not None:  # as if this frame's handle() had raised it
+            status, message = status_for_exception(ahead_error)
+            logger.error("frame %d: handler %s failed in step_ahead before it (%d %s)", frame_id,
+                         self.handler.description, status, message)
+            return self._fail_all(ids, status, message)
         ctx.intermediate_sender = partial(self._send_intermediate, frame_id)
         start = time.perf_counter()
         try:
@@ -283,6 +316,22 @@ class Service:
                            "(the frontend should CONTINUE or CANCEL every unfinished request)",
                            len(self.active) + len(victims), self.max_active, victims)
             self._cancel(victims, "evicted")
+
+
+def _runs_continuous(yaml_config: Mapping[str, Any]) -> bool:
+    """The model's effective ``continuousBatching`` (the frontend writes it into model-config)."""
+    value = yaml_config.get("continuousBatching", False)
+    return value.strip().lower() == "true" if isinstance(value, str) else bool(value)
+
+
+def _step_ahead_hook(handler: LoadedHandler, context: Context) -> Callable[[], Any] | None:
+    """The handler's optional ``step_ahead`` (same shapes as the cancel hook: a method taking
+    nothing, or a module function taking the context)."""
+    if handler.instance is not None:
+        method = getattr(handler.instance, "step_ahead", None)
+        return method if callable(method) else None
+    fn = getattr(inspect.getmodule(handler.handle), "step_ahead", None)
+    return partial(fn, context) if callable(fn) and not inspect.isclass(fn) else None
 
 
 def _criterion(criteria: Any, idx: int) -> Callable[[Any], Any] | None:

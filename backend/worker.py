@@ -15,7 +15,9 @@ Lifecycle:
    ``--accept-timeout`` seconds: a worker never outlives the frontend that started it.
 3. Serve messages (backend/protocol.py) until SHUTDOWN or end of stream (exit 0). LOAD → LOAD_REPLY
    (200 / 500 / 507); INFER → zero or more INFER_REPLY(final=False) then one INFER_REPLY(final=True);
-   PING → PONG(nonce). A malformed frame, or a message a worker never receives (LOAD_REPLY, ...), is
+   PING → PONG(nonce). After an INFER's final reply of a continuous-batching model, if no next
+   message is waiting, the handler's optional ``step_ahead`` hook runs (backend/service.py: decode
+   ahead). A malformed frame, or a message a worker never receives (LOAD_REPLY, ...), is
    logged and the worker exits 2: the frontend restarts it, never the server.
 
 The model directory becomes the working directory at LOAD, as in TorchServe. Intra-op threads are
@@ -174,6 +176,11 @@ def serve(conn: socket.socket, args: argparse.Namespace) -> int:
                     for r in msg.requests if r.state != RequestState.CANCEL)))
             else:
                 send(service.predict(msg))
+                # Decode ahead: the frontend now reads this reply and builds the next frame; instead of
+                # idling meanwhile, let the handler start its next step (never when a frame is waiting,
+                # so a CANCEL already sent is not kept waiting behind a step run for nothing).
+                if service.can_step_ahead and not reader.input_ready():
+                    service.step_ahead()
         elif isinstance(msg, Ping):
             send(Pong(msg.nonce))
         elif isinstance(msg, LoadRequest):

@@ -21,6 +21,13 @@ Both Conveyor servers run `conveyor serve` with the same flags (`--batch-size` =
 batching runs each batch to its longest request before the next one starts (docs/llm.md). The
 in-process figure is `llm_inprocess.run_continuous`: the same handler driven frame by frame with no
 frontend, no socket and no HTTP — served / in-process is what the server costs on top of the model.
+
+Next to the measured continuous / static it prints, for the same job list, the **occupancy ceiling**:
+the ratio if a step cost the same for 1 row as for 16 and prefill were free — static batching (groups
+of `--streams` requests, each group running to its longest request) then needs Σ_groups
+max(max_new_tokens) steps, continuous about Σ max_new_tokens / streams (`llm_inprocess.occupancy_steps`).
+It also prints the in-process loop's prefill share and its step cost fit (`a + b × rows`), and the
+ratio those costs predict: static decodes the same rows and prefills the same prompts, in more steps.
 Not a timed test: the machine is shared; run it with nothing else busy.
 """
 
@@ -226,7 +233,21 @@ def bench_model(name: str, model_dir: Path, args: argparse.Namespace, workdir: P
     if args.url:
         other = runs[2]
         print(f"  conveyor continuous / other = {cont.tokens_per_s / other.tokens_per_s:.2f}×", flush=True)
+    _report_ceiling(jobs, args.streams, loop, cont.tokens_per_s / static.tokens_per_s)
     return runs
+
+
+def _report_ceiling(jobs: list, streams: int, loop: llm_inprocess.LoopStats, measured: float) -> None:
+    static_steps, floor, closed_loop = llm_inprocess.occupancy_steps(jobs, streams)
+    print(f"  occupancy ceiling of continuous / static = {static_steps / floor:.2f}× vs measured {measured:.2f}×"
+          f" (static Σ_groups max(max_new_tokens) = {static_steps} steps, continuous Σ max_new_tokens / {streams}"
+          f" = {floor:.0f}; closed loop with its ramp-down {closed_loop} → {static_steps / closed_loop:.2f}×)\n"
+          f"    = the ratio if a step cost the same for 1 row as for {streams} and prefill were free; on a CPU a step"
+          f" costs more with more rows and our static mode drops finished rows, so it is an upper bound", flush=True)
+    a, b = loop.step_cost_fit()
+    print(f"  in-process loop: prefill {100 * loop.prefill_seconds / loop.seconds:.0f} % of its time; a step without"
+          f" prefill ≈ {1000 * a:.2f} ms + {1000 * b:.3f} ms × rows → at these costs continuous / static ≈"
+          f" {llm_inprocess.expected_ratio(loop, jobs, streams):.2f}×", flush=True)
 
 
 def _report(stats: RunStats) -> None:

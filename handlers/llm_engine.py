@@ -16,6 +16,14 @@ One `step()` is one iteration of the scheduler (called once per INFER frame):
 4. **Join / leave**: finished rows leave the KV slab at once; requests prefilled in this step join
    it (right-aligned, copying only their own tokens); all-padding columns are trimmed.
 
+**Decode ahead** (`decode_ahead()`, called by the worker while it waits for the next frame): the
+decode forward of step 3 depends only on the rows already in the slab, and no row can join before
+the next `step()`, so it can run before that step's frame arrives. Its sampled tokens are kept as
+each row's `pending_token` (nothing is appended, finished or emitted yet); the next `step()` uses
+them instead of running the forward, and does everything else as usual. A row cancelled in between
+drops its pending token with the rest of its state. Per request this is the same forward on the
+same cache and the same draw from its own generator, so the output is the same token for token.
+
 Memory budget (`max_batch_tokens`): a request reserves `prompt + max_new_tokens - 1` KV columns
 (the most it can ever hold). A request is admitted only if
 `(admitted requests + 1) × max(reserved columns over them and it) <= max_batch_tokens`, and the
@@ -109,6 +117,7 @@ class Sequence:
         "num_prefilled",
         "output_ids",
         "params",
+        "pending_token",
         "prefill_cache",
         "prompt_ids",
         "request_id",
@@ -131,6 +140,7 @@ class Sequence:
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_ids)
         self.stop_filter = StopStringFilter(self.params.stop)
         self.row = -1  # index in the decode batch while RUNNING
+        self.pending_token: int | None = None  # sampled by decode_ahead(), applied by the next step()
         self.step_text: list[str] = []
         self.step_token_ids: list[int] = []
 
@@ -166,6 +176,9 @@ class LLMEngine:
         self._prefilling: list[Sequence] = []  # arrival order
         self._rows: list[Sequence] = []  # the decode batch, aligned with the slab's rows
         self._batch = BatchKVCache(self.num_layers)
+        # True between decode_ahead() and the next step(): every row then holds its pending_token
+        # and its KV column for it is written (rows only leave in between; none can join).
+        self._decoded_ahead = False
 
     # ---- observability ----------------------------------------------------------------------------
     @property
@@ -197,6 +210,11 @@ class LLMEngine:
         return self._batch.num_cells
 
     @property
+    def decoded_ahead(self) -> bool:
+        """Whether the next step's decode forward already ran (its tokens are pending)."""
+        return self._decoded_ahead
+
+    @property
     def batch_cache(self) -> BatchKVCache:
         return self._batch
 
@@ -224,6 +242,7 @@ class LLMEngine:
         elif seq.status is SequenceStatus.PREFILLING:
             self._prefilling.remove(seq)
         self._finish(seq, SequenceStatus.FINISHED_CANCELLED)
+        seq.pending_token = None  # a token decoded ahead for it is never emitted
         with torch.inference_mode():  # the slab holds inference tensors
             self._leave_batch([seq])
             self._release_if_idle()
@@ -237,6 +256,20 @@ class LLMEngine:
         self._prefilling.clear()
         self._rows.clear()
         self._batch = BatchKVCache(self.num_layers)
+        self._decoded_ahead = False
+
+    def decode_ahead(self) -> bool:
+        """Run the next step's decode forward and sampling now (see the module docstring); False if
+        there is nothing to decode or it already ran. After a raise the batch's state is unknown
+        (the slab may have advanced): the caller must `abort_all()`, as after a failed step."""
+        if self._decoded_ahead or not self._rows:
+            return False
+        with torch.inference_mode():
+            tokens = self._decode_forward()
+        for seq, token in zip(self._rows, tokens):
+            seq.pending_token = token
+        self._decoded_ahead = True
+        return True
 
     def step(self) -> dict[str, StepOutput]:
         """One scheduler iteration: one output per live request; a finished one carries its finish_reason
@@ -304,8 +337,22 @@ class LLMEngine:
 
     def _decode(self) -> None:
         rows = self._rows
+        ahead, self._decoded_ahead = self._decoded_ahead, False
         if not rows:
             return
+        if ahead:
+            tokens = [seq.pending_token for seq in rows]
+            if None in tokens:  # only step() adds rows, so this is a bug, not an input error
+                raise RuntimeError("a row of the decode batch has no token decoded ahead")
+        else:
+            tokens = self._decode_forward()
+        for seq, token in zip(rows, tokens):
+            seq.pending_token = None
+            self._append_token(seq, token)
+
+    def _decode_forward(self) -> list[int]:
+        """One forward for every row (one new KV column each) and the next token of each row."""
+        rows = self._rows
         self._batch.ensure_decode_room()
         attention_mask, position_ids = self._batch.decode_inputs(self.device)
         input_ids = torch.tensor([[seq.output_ids[-1]] for seq in rows], dtype=torch.long, device=self.device)
@@ -318,11 +365,9 @@ class LLMEngine:
             logits_to_keep=1,
         )
         self._batch.advance(1)
-        tokens = sample_next_tokens(
+        return sample_next_tokens(
             out.logits[:, -1, :].float(), [seq.params for seq in rows], [seq.generator for seq in rows]
         )
-        for seq, token in zip(rows, tokens):
-            self._append_token(seq, token)
 
     def _leave_batch(self, leaving: list[Sequence]) -> None:
         """Remove rows from the slab (highest index first, so a moved row is never a leaving one)."""

@@ -16,6 +16,9 @@ Contract per frame (docs/llm.md has the full reference):
   (dynamic batching): one `handle()` call then runs its frame's requests to the end (static
   batching), streaming every step's chunks as intermediate replies; new requests wait for the next
   frame.
+- `step_ahead()` (optional worker hook, docs/handlers.md): the worker calls it after sending a
+  continuous frame's reply when the next frame is not there yet; it runs the next step's decode
+  forward in that idle time (`LLMEngine.decode_ahead`), and the next `handle()` uses its tokens.
 - A request carrying the header `x-conveyor-llm-stats` gets the engine's load after the step in the
   response header of the same name (`kv_tokens=..;kv_capacity=..;running=..;waiting=..`): the OpenAI
   routes read it for the KV-cache and queue gauges (it never reaches their clients).
@@ -122,6 +125,8 @@ class TextGenerationHandler:
         self.engine: LLMEngine | None = None
         self.limits: RequestLimits | None = None
         self._recently_cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Set when step_ahead()'s forward raised: the next step fails the way a failing step does.
+        self._ahead_failed = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def initialize(self, context: Any) -> None:
@@ -228,19 +233,39 @@ class TextGenerationHandler:
             frame[request_id] = idx
         return results, frame
 
+    def step_ahead(self) -> None:
+        """Worker hook, between two continuous frames when the next one has not arrived: run the next
+        step's decode forward now (`LLMEngine.decode_ahead`); the next `handle()` applies its tokens
+        after that frame's cancels and prefills. A failure is not raised here (there is no frame to
+        answer): the next step fails with it, exactly as if its own decode forward had raised."""
+        engine = self._engine()
+        if self._ahead_failed:
+            return
+        try:
+            engine.decode_ahead()
+        except Exception:
+            logger.exception("text_generation decode-ahead failed; the next step fails its requests")
+            self._ahead_failed = True
+
     def _step(
         self, results: list[dict[str, Any] | None], frame: dict[str, int], context: Any
     ) -> dict[str, StepOutput] | None:
         """One engine step; on failure every request of the frame gets 500 and None is returned."""
         engine = self._engine()
-        try:
-            return engine.step()
-        except Exception:
-            logger.exception("text_generation step failed; aborting all %d requests", engine.num_active_requests)
-            engine.abort_all()
-            for idx in frame.values():
-                results[idx] = self._error(context, idx, 500, "generation failed in the model worker")
-            return None
+        ahead_failed, self._ahead_failed = self._ahead_failed, False
+        # If every row it decoded was cancelled since, the failure reached no one: the slab went with them.
+        if ahead_failed and engine.num_running_requests:
+            logger.error("text_generation step failed: its decode forward, run ahead, raised (traceback above); "
+                         "aborting all %d requests", engine.num_active_requests)
+        else:
+            try:
+                return engine.step()
+            except Exception:
+                logger.exception("text_generation step failed; aborting all %d requests", engine.num_active_requests)
+        engine.abort_all()
+        for idx in frame.values():
+            results[idx] = self._error(context, idx, 500, "generation failed in the model worker")
+        return None
 
     def _run_to_completion(
         self, results: list[dict[str, Any] | None], frame: dict[str, int], context: Any

@@ -3,7 +3,9 @@
 `FrameDriver` keeps at most `batch_size` requests in a frame, admits queued ones between steps as
 others finish, sends cancels, and calls the handler exactly as backend/service.py does: the
 cancel hook first, then `context.begin_frame(...)` on the real `backend.context.Context`, then
-`handle(data, context)`; a request leaves when `context.is_done(idx)`.
+`handle(data, context)`; a request leaves when `context.is_done(idx)`. With `step_ahead=True` it
+also plays the worker that finds no next frame waiting: after every frame it calls the handler's
+`step_ahead()` hook, so every following frame's cancels and new requests land after a decode-ahead.
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ def make_handler(model_dir: Path | str, handler_config: dict | None = None, batc
 
 
 class FrameDriver:
-    def __init__(self, handler: TextGenerationHandler, context: Context, batch_size: int = 4) -> None:
+    def __init__(self, handler: TextGenerationHandler, context: Context, batch_size: int = 4,
+                 step_ahead: bool = False) -> None:
         self.handler = handler
+        self.step_ahead = step_ahead
+        self.num_decoded_ahead = 0  # frames after which the hook really ran a decode forward
         self.context = context
         self.batch_size = batch_size
         self.queue: collections.deque[tuple[str, Any]] = collections.deque()
@@ -107,6 +112,9 @@ class FrameDriver:
             if self.context.is_done(idx):
                 record.done = True
                 del self.active[rid]
+        if self.step_ahead:
+            self.handler.step_ahead()
+            self.num_decoded_ahead += self.handler.engine.decoded_ahead
 
     def run(self, max_steps: int = 10_000) -> dict[str, Record]:
         while not self.idle:

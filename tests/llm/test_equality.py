@@ -3,6 +3,8 @@
 Requests join and leave the batch at different steps (at most `batch_size` in a frame, the next one
 admitted as soon as one finishes, one cancelled mid-way), prompts of different lengths (several
 prefilled in chunks), different `max_new_tokens` — through the real `backend.context.Context`.
+With `ahead`, the worker's decode-ahead hook runs after every frame: each step's decode forward runs
+before the next frame's cancels and prefills, and the cancel lands after a decode-ahead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def references(tiny_model, tiny_tokenizer):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "decode-ahead"])
 @pytest.mark.parametrize(
     ("batch_size", "handler_config", "cancel_at_step"),
     [
@@ -32,10 +35,10 @@ def references(tiny_model, tiny_tokenizer):
     ],
 )
 def test_staggered_batch_equals_unbatched_generate(
-    tiny_model_dir, tiny_model, tiny_tokenizer, references, batch_size, handler_config, cancel_at_step
+    tiny_model_dir, tiny_model, tiny_tokenizer, references, batch_size, handler_config, cancel_at_step, ahead
 ):
     handler, context = make_handler(tiny_model_dir, handler_config, batch_size, tiny_model, tiny_tokenizer)
-    driver = FrameDriver(handler, context, batch_size=batch_size)
+    driver = FrameDriver(handler, context, batch_size=batch_size, step_ahead=ahead)
     for i, ref in enumerate(references):
         driver.submit(f"r{i}", {"prompt": ref.prompt, "max_new_tokens": ref.max_new_tokens})
 
@@ -53,17 +56,22 @@ def test_staggered_batch_equals_unbatched_generate(
             assert CANCELLED in driver.active, "the cancelled request should still be running"
             last = driver.records[CANCELLED].final
             assert last["completion_tokens"] > 0, "it should be decoding, not prefilling"
+            assert engine.decoded_ahead == ahead
             tokens_before, active_before = handler.kv_cache_tokens, handler.num_active_requests
             # The worker calls the cancel hook before the next handle(); its rows are freed at once.
-            handler.cancel([CANCELLED])
+            finals = handler.cancel([CANCELLED])
+            assert finals[CANCELLED]["token_ids"] == []  # a token decoded ahead for it is not emitted
             assert handler.num_active_requests == active_before - 1
-            held = last["prompt_tokens"] + last["completion_tokens"] - 1  # the last token is not cached yet
+            # The last token is cached only once the next step's decode forward ran (ahead, here).
+            held = last["prompt_tokens"] + last["completion_tokens"] - (0 if ahead else 1)
             assert handler.kv_cache_tokens == tokens_before - held
             handler.engine.batch_cache.check()
             driver.cancel(CANCELLED)  # the frame after: CANCEL again (idempotent) and no more entry
         assert driver.num_steps < 500
 
     assert max_in_flight <= batch_size
+    if ahead:  # the hook ran the decode of nearly every step (not after the last, nor while all prefill)
+        assert driver.num_decoded_ahead >= driver.num_steps - 5, (driver.num_decoded_ahead, driver.num_steps)
     assert seen["prefill_beside_decode"], "a chunked prefill should have run while others decoded"
     assert seen["waited"] == ("max_batch_tokens" in handler_config), seen
     assert handler.num_active_requests == 0 and handler.kv_cache_tokens == 0
