@@ -11,11 +11,12 @@ not a test.
   request when its previous one ended, ``max_new_tokens`` uniform in 8–128, prompts of 6–320
   tokens, seed 0, greedy, ``POST /v1/completions`` with ``stream: true``.
 * Conveyor: ``conveyor serve MODEL_DIR --continuous-batching --batch-size 16 --max-batch-delay 20
-  --max-batch-tokens 16384`` (one worker, one torch thread: the other core is the frontend's).
+  --max-batch-tokens 16384 --prefill-chunk-size 512`` (one worker, one torch thread: the other core
+  is the frontend's; `--num-threads 2` measured no faster on the 27 M model).
 * transformers serve: ``python -m transformers.cli.transformers serve --continuous-batching
   --device cpu --dtype float32 --cb-block-size 32 --cb-num-blocks 512 --cb-max-batch-tokens 512``
-  — a bounded KV cache of 16384 tokens like Conveyor's (its default sizes the cache from free RAM);
-  torch's default thread count. It needs ``pip install 'transformers[serving]'`` (a separate venv
+  — a bounded KV cache of 16384 tokens like Conveyor's (its default sizes the cache from free RAM)
+  and 512 tokens per step, the budget Conveyor gets for prompts; torch's default thread count. It needs ``pip install 'transformers[serving]'`` (a separate venv
   is fine): ``--transformers-python``, ``$TRANSFORMERS_SERVE_PYTHON``, ``/tmp/tfserve-venv/bin/python``,
   then this interpreter are tried in that order.
 * Each round runs Conveyor then transformers serve on the same request list; the table gives the
@@ -48,6 +49,10 @@ import llm_throughput  # noqa: E402
 DOCS = REPO / "docs" / "benchmarks.md"
 SECTION = "## LLM: Conveyor vs transformers serve"
 BEGIN, END = "<!-- compare.py --llm: begin generated block -->", "<!-- compare.py --llm: end generated block -->"
+# Same budgets on both sides: a 16384-token KV cache, and at most 512 prompt tokens per step
+# (Conveyor's default prefill chunk is 256: shorter stalls for running streams, later first tokens).
+CONVEYOR_FLAGS = ["--continuous-batching", "--batch-size", "16", "--max-batch-delay", "20", "--max-batch-tokens", "16384",
+                  "--prefill-chunk-size", "512"]
 TRANSFORMERS_FLAGS = ["--continuous-batching", "--device", "cpu", "--dtype", "float32", "--cb-block-size", "32",
                       "--cb-num-blocks", "512", "--cb-max-batch-tokens", "512"]
 
@@ -115,8 +120,7 @@ def bench(name: str, model_dir: Path, python: str, rounds: int, workdir: Path) -
 
     jobs = llm_inprocess.make_jobs(AutoTokenizer.from_pretrained(model_dir),
                                    llm_throughput.DEFAULT_REQUESTS.get(name, 48), 0)
-    flags = ["--continuous-batching", "--batch-size", "16", "--max-batch-delay", "20", "--max-batch-tokens", "16384",
-             "--served-model-name", name]
+    flags = ["--served-model-name", name, *CONVEYOR_FLAGS]
     ours, theirs = [], []
     for round_ in range(rounds):
         with llm_throughput.ServeProcess(model_dir, workdir / f"conveyor-{name}-{round_}", flags) as server:
@@ -155,7 +159,7 @@ def report(rows: list[str], rounds: int, python: str) -> str:
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
         "",
         f"- Conveyor: transformers {transformers.__version__}, torch {torch.__version__}, `conveyor serve "
-        "--continuous-batching --batch-size 16 --max-batch-delay 20 --max-batch-tokens 16384`, 1 torch thread",
+        f"{' '.join(CONVEYOR_FLAGS)}`, 1 torch thread",
         f"- transformers serve: transformers/torch {other}, `transformers serve {' '.join(TRANSFORMERS_FLAGS)}`, "
         "torch's default threads",
         f"- workload: 16 closed-loop streams, max_new_tokens 8–128, prompts 6–320 tokens, seed 0, greedy, streamed "
