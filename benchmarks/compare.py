@@ -350,23 +350,38 @@ def measure(servers: list[Server], args: argparse.Namespace, script: Path) -> li
     return cells
 
 
-def cold_starts(servers: list[Server], count: int) -> dict[str, list[float]]:
-    """Seconds from launch to ready with the echo model, ``count`` times each, interleaved."""
+def build_tiny_llm_archive(store: Path) -> str | None:
+    """examples/tiny_llm's model as ``tiny_llm.mar`` in the store (the README's demo LLM)."""
+    sys.path.insert(0, str(REPO / "examples" / "tiny_llm"))
+    import build_tiny_llm
+
+    model_dir = store.parent / "tiny_llm"
+    build_tiny_llm.build(model_dir)
+    return "tiny_llm.mar" if build_tiny_llm.archive(model_dir, store, "tiny_llm") is not None else None
+
+
+def cold_starts(servers: list[Server], count: int, llm_archive: str | None = None) -> dict[str, list[float]]:
+    """Seconds from launch to ready with the echo model, ``count`` times each, interleaved; and, for
+    Conveyor, with the tiny LLM archive (``<name> (tiny LLM)``)."""
     times: dict[str, list[float]] = {s.name: [] for s in servers}
     for _ in range(count):
         for server in servers:
             if isinstance(server, BareAiohttp):
                 continue
-            started = server.launch(["echo=echo.mar"])
-            try:
-                if isinstance(server, TorchServe):
-                    ready = server.wait_model_ready("echo")
-                else:
-                    ready = server.wait_started()
-                times[server.name].append(ready - started)
-            finally:
-                server.stop()
-            time.sleep(1.0)
+            models = [("", "echo=echo.mar")]
+            if llm_archive is not None and isinstance(server, Conveyor):
+                models.append((" (tiny LLM)", f"tiny_llm={llm_archive}"))
+            for suffix, model in models:
+                started = server.launch([model])
+                try:
+                    if isinstance(server, TorchServe):
+                        ready = server.wait_model_ready("echo")
+                    else:
+                        ready = server.wait_started()
+                    times.setdefault(server.name + suffix, []).append(ready - started)
+                finally:
+                    server.stop()
+                time.sleep(1.0)
     return times
 
 
@@ -444,13 +459,12 @@ def report(servers: list[Server], cells: list[Cell], starts: dict[str, list[floa
         *(format_row(cell, servers) for cell in cells),
     ]
     if starts:
-        lines += ["", "Cold start (s), launch → ready with the echo model: Conveyor = `Model server started` on "
-                  "stdout; TorchServe = describe API shows the worker READY (for context)."
-                  " Each value is one start, interleaved.", ""]
-        for s in servers:
-            values = starts.get(s.name, [])
+        lines += ["", "Cold start (s), launch → ready with the echo model (and, for Conveyor, with the tiny LLM "
+                  "archive of examples/tiny_llm): Conveyor = `Model server started` on stdout; TorchServe = "
+                  "describe API shows the worker READY (for context). Each value is one start, interleaved.", ""]
+        for name, values in starts.items():
             if values:
-                lines.append(f"- {s.name}: " + ", ".join(f"{v:.2f}" for v in values)
+                lines.append(f"- {name}: " + ", ".join(f"{v:.2f}" for v in values)
                              + f" (median {statistics.median(values):.2f})")
     return "\n".join(lines)
 
@@ -532,7 +546,10 @@ def main() -> int:
             cells = measure(servers, args, script)
             for server in servers:
                 server.stop()
-        starts = cold_starts(servers, args.cold_starts) if args.cold_starts > 0 else {}
+        starts = {}
+        if args.cold_starts > 0:
+            llm_archive = build_tiny_llm_archive(store) if any(isinstance(s, Conveyor) for s in servers) else None
+            starts = cold_starts(servers, args.cold_starts, llm_archive)
     finally:
         for server in servers:
             server.stop()
