@@ -158,6 +158,7 @@ def report(rows: list[str], rounds: int, python: str) -> str:
         f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; load average after: "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
         "",
+        f"- machine: {_machine()}",
         f"- Conveyor: transformers {transformers.__version__}, torch {torch.__version__}, `conveyor serve "
         f"{' '.join(CONVEYOR_FLAGS)}`, 1 torch thread",
         f"- transformers serve: transformers/torch {other}, `transformers serve {' '.join(TRANSFORMERS_FLAGS)}`, "
@@ -170,6 +171,12 @@ def report(rows: list[str], rounds: int, python: str) -> str:
         "|" + "---|" * 11,
         *rows,
     ])
+
+
+def _machine() -> str:
+    from compare import machine  # compare.py imports this module: import at call time
+
+    return machine()
 
 
 def write_docs(block: str) -> None:
