@@ -63,7 +63,7 @@ MAX_HEADERS = 128  # aiohttp's limit: more is aiohttp's to refuse
 KEEPALIVE_TIMEOUT = 75.0  # seconds an idle keep-alive connection stays open (aiohttp's default)
 _PREDICT = re.compile(rb"/(predictions|explanations)/([^/]+)(?:/([^/]+))?")
 _METHOD_START = re.compile(rb"[A-Z]{1,16}(?: |$)")  # how a request can start
-_HANDED_OVER_HEADERS = (b"transfer-encoding", b"expect", b"upgrade")
+_REQUEST_LINE = re.compile(rb"(GET|POST|PUT) ([^ \r\n]+) HTTP/1\.1\r\n")
 _FORMS = (MULTIPART_FORM, FORM_URLENCODED)
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
 
@@ -71,22 +71,30 @@ _REASONS = {status.value: status.phrase for status in HTTPStatus}
 class _Request:
     """One request served here: what the head said, and its body."""
 
-    __slots__ = ("body", "explain", "headers", "keep_alive", "method", "model", "query", "target", "version")
+    __slots__ = ("body", "content_length", "explain", "header_list", "headers", "keep_alive", "method", "model",
+                 "query", "target", "version")
 
-    def __init__(self) -> None:
-        self.headers: list[tuple[bytes, bytes]] = []
+    def __init__(self, method: bytes, target: bytes, query: bytes) -> None:
+        self.method = method
+        self.target = target
+        self.query = query
+        self.header_list: list[tuple[str, str]] = []  # as received, in order
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.content_length = 0
         self.body = b""
         self.keep_alive = True
-        self.method = b""
-        self.target = b""
-        self.query = b""
         self.model: str | None = None  # None: GET /ping
         self.version: str | None = None
         self.explain = False
 
-    # httptools callbacks (the whole head is fed at once, so each field arrives in one piece)
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+
+class _NoCallbacks:
+    """httptools only checks a head here; the fields are split from the checked bytes afterwards."""
+
+    __slots__ = ()
+
+
+_NO_CALLBACKS = _NoCallbacks()
 
 
 class FastPath:
@@ -315,19 +323,18 @@ class FastConnection(asyncio.Protocol):
         return await self._read_body(request, end + 4)
 
     def _parse_head(self, head_length: int) -> _Request | None:
-        """The request if this path serves it (the head is then consumed by httptools), else None."""
+        """The request if this path serves it, else None (the bytes stay for aiohttp)."""
         buf = self._buf
-        line_end = buf.find(b"\r\n")
-        method, _, rest = bytes(buf[:line_end]).partition(b" ")
-        target, _, version = rest.rpartition(b" ")
-        if version != b"HTTP/1.1":
+        line = _REQUEST_LINE.match(buf)
+        if line is None:
             return None
+        method, target = line.group(1), line.group(2)
         path, _, query = target.partition(b"?")
-        request = _Request()
+        request = _Request(method, target, query)
         if method == b"GET":
             if path != b"/ping":
                 return None
-        elif method == b"POST" or method == b"PUT":
+        else:  # POST or PUT
             match = _PREDICT.fullmatch(path)
             if match is None:
                 return None
@@ -335,31 +342,31 @@ class FastConnection(asyncio.Protocol):
             request.model = _segment(model)
             request.version = _segment(model_version) if model_version is not None else None
             request.explain = kind == b"explanations"
-        else:
-            return None
-        parser = httptools.HttpRequestParser(request)  # one per request: 0.3 µs, and no state carried over
+        head = bytes(buf[:head_length])
+        parser = httptools.HttpRequestParser(_NO_CALLBACKS)  # one per request: 0.3 µs, no state carried over
         try:
-            parser.feed_data(bytes(buf[:head_length]))
+            parser.feed_data(head)
         except httptools.HttpParserError:
             return None  # aiohttp parses it again and answers its 400
-        if len(request.headers) > MAX_HEADERS:
+        text = head[line.end():head_length - 4].decode("utf-8", "surrogateescape")
+        if "\r\n " in text or "\r\n\t" in text or text[:1] in (" ", "\t"):
+            return None  # a folded line (obs-fold): aiohttp's parser decides
+        # llhttp checked every line: a token, a colon, a value.
+        pairs = [(name, value.strip(" \t")) for name, _, value in
+                 (line.partition(":") for line in text.split("\r\n"))] if text else []
+        if len(pairs) > MAX_HEADERS:
             return None
-        for name, _value in request.headers:
-            if name.lower() in _HANDED_OVER_HEADERS:
-                return None
-        request.method, request.target, request.query = method, target, query
+        headers = CIMultiDict(pairs)
+        if "Transfer-Encoding" in headers or "Expect" in headers or "Upgrade" in headers:
+            return None
+        request.header_list, request.headers = pairs, headers
+        request.content_length = int(headers.get("Content-Length", 0))  # llhttp accepted it: one, digits
         request.keep_alive = parser.should_keep_alive()
         return request
 
     async def _read_body(self, request: _Request, head_length: int) -> _Request | None:
-        length = 0
-        content_type = ""
-        for name, value in request.headers:
-            lowered = name.lower()
-            if lowered == b"content-length":
-                length = int(value)  # llhttp accepted it: digits, and one value only
-            elif lowered == b"content-type":
-                content_type = value.decode("latin-1").partition(";")[0].strip().lower()
+        length = request.content_length
+        content_type = request.headers.get("Content-Type", "").partition(";")[0].strip().lower()
         if content_type in _FORMS:
             self._hand_over()
             return None
@@ -407,8 +414,7 @@ class FastConnection(asyncio.Protocol):
         self.transport.close()
 
     def _answer_error(self, request: _Request, error: ConveyorError, keep_alive: bool) -> int:
-        headers = CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers)
-        writer = _Writer(self, choose_request_id(headers.get(REQUEST_ID_HEADER, "")), keep_alive)
+        writer = _Writer(self, choose_request_id(request.headers.get(REQUEST_ID_HEADER, "")), keep_alive)
         status, error_headers, body = error_parts(error)
         writer.complete(status, error_headers, body)
         self.fast.count(status)
@@ -449,9 +455,7 @@ class FastConnection(asyncio.Protocol):
         """Answer one request; returns whether the connection stays open."""
         fast = self.fast
         started = time.monotonic()
-        headers = CIMultiDict(
-            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
-            for name, value in request.headers)
+        headers = request.headers
         keep_alive = request.keep_alive and not self._close_when_idle
         writer = _Writer(self, choose_request_id(headers.get(REQUEST_ID_HEADER, "")), keep_alive)
         fast.in_flight.enter()
@@ -493,7 +497,7 @@ class FastConnection(asyncio.Protocol):
                       parse_qsl(request.query.decode("utf-8", "surrogateescape"), keep_blank_values=True)] if request.query else []
         parameters.append(InputParameter("body", headers.get("Content-Type", ""), request.body))
         await fast.api.run(model, writer.rid, headers, parameters, request.explain, choose_mode((1, 1), headers),
-                           writer, started)
+                           writer, started, request.header_list)
 
     def _peer(self) -> str:
         peer = self.transport.get_extra_info("peername")

@@ -75,12 +75,14 @@ class InferenceApi:
         return writer.response
 
     async def run(self, model: ModelVersion, rid: str, headers: Mapping[str, str], parameters: list[InputParameter],
-                  explain: bool, mode: StreamMode, writer: ResultWriter, started: float) -> int:
+                  explain: bool, mode: StreamMode, writer: ResultWriter, started: float,
+                  header_list: list[tuple[str, str]] | None = None) -> int:
         """One prediction, whatever carries it (aiohttp, or the fast path of frontend/api/fast_path.py):
         the job goes to the model's queue and its results to ``writer``. Returns the status written.
         Errors before the job is queued are raised for the caller's error mapping, except for a
-        sequence model, whose errors carry the sequence id header and are written here."""
-        header_list = request_headers(headers)
+        sequence model, whose errors carry the sequence id header and are written here.
+        ``header_list``: the headers as received, when the caller has them as pairs already."""
+        header_list = request_headers(headers) if header_list is None else list(header_list)
         if explain:
             header_list.append(("explain", "True"))  # TorchServe's signal to call the handler's explain
         extra: dict[str, str] = {}

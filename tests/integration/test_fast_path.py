@@ -172,6 +172,13 @@ def test_unusual_requests_are_handed_over_and_answered(server: ConveyorProcess, 
     assert not final.fast and final.status == 200 and final.body == b"abc"
 
 
+def test_folded_header_is_left_to_aiohttp(server: ConveyorProcess) -> None:
+    with connect(server) as sock:
+        sock.sendall(b"POST /predictions/echo HTTP/1.1\r\nHost: t\r\nX-Folded: a\r\n b\r\nContent-Length: 3\r\n\r\nabc")
+        (response,), closed = read_responses(sock, 1)
+    assert not response.fast and response.status == 400 and json.loads(response.body)["code"] == 400 and closed
+
+
 def test_form_bodies_are_parsed_by_aiohttp(server: ConveyorProcess) -> None:
     with connect(server) as sock:
         sock.sendall(post("/predictions/echo", b"a=1&b=two", {"Content-Type": "application/x-www-form-urlencoded"}))
