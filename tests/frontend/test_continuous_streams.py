@@ -11,45 +11,25 @@ from pathlib import Path
 from collections.abc import Awaitable, Callable
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from backend.protocol import InferReply, InferRequest, RequestState, WireResult, read_message, write_message
-from frontend.api.common import NoAuth, make_app
-from frontend.api.streaming import AiohttpWriter, choose_mode, respond
 from frontend.batching.base import BatchConfig
 from frontend.batching.model_batcher import ModelBatcher
 from frontend.jobs import Job
 from frontend.metrics import ServerMetrics
 from frontend.sinks import ResponseSink
 from frontend.workers.worker import Worker, WorkerSpec
+from tests.frontend.test_http_layer import stream_app
 
 pytestmark = pytest.mark.timeout(20)
 
 Item = WireResult | tuple[int, str]
 
 
-def stream_app(results: list[Item]) -> web.Application:
-    app = make_app("inference", ServerMetrics(), NoAuth())
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        sink = ResponseSink()
-        for item in results:
-            if isinstance(item, WireResult):
-                sink.deliver(item)
-            else:
-                sink.fail(*item)
-        writer = AiohttpWriter(request)
-        await respond(sink, {}, choose_mode(request.version, request.headers), writer)
-        return writer.response
-
-    app.router.add_post("/s", handler)
-    return app
-
-
 def with_client(results: list[Item], body: Callable[[TestClient], Awaitable[None]]) -> None:
     async def main() -> None:
-        async with TestClient(TestServer(stream_app(results))) as client:
+        async with TestClient(TestServer(stream_app(results, extra={}))) as client:
             await body(client)
 
     asyncio.run(main())

@@ -124,7 +124,9 @@ def test_sink_keeps_order_types_and_drops_after_close() -> None:
     asyncio.run(main())
 
 
-def stream_app(results: list[WireResult | tuple[int, str]]) -> web.Application:
+def stream_app(results: list[WireResult | tuple[int, str]], extra: dict[str, str] | None = None) -> web.Application:
+    """An app whose POST /s answers from a sink preloaded with ``results`` (failures as (status, message))."""
+    extra = {"x-extra": "1"} if extra is None else extra
     app = make_app("inference", ServerMetrics(), NoAuth())
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -135,7 +137,7 @@ def stream_app(results: list[WireResult | tuple[int, str]]) -> web.Application:
             else:
                 sink.fail(*item)
         writer = AiohttpWriter(request)
-        await respond(sink, {"x-extra": "1"}, choose_mode(request.version, request.headers), writer)
+        await respond(sink, extra, choose_mode(request.version, request.headers), writer)
         return writer.response
 
     app.router.add_post("/s", handler)
