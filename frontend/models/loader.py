@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,13 +122,13 @@ async def install_dependencies(archive: ModelArchive) -> dict[str, str]:
     if requirements is None:
         return {}
     target = archive.model_dir / DEPS_DIR
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-U", "-t", str(target),
-        "-r", str(requirements), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )
-    output, _ = await proc.communicate()
+    argv = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-U", "-t", str(target),
+            "-r", str(requirements)]
+    # subprocess.run in a thread, not create_subprocess_exec: see frontend/workers/process.py (ChildProcess).
+    proc = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+        subprocess.run, argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     if proc.returncode != 0:
-        tail = output.decode("utf-8", "replace")[-2000:]
+        tail = proc.stdout.decode("utf-8", "replace")[-2000:]
         raise ModelLoadError(f"Custom pip package installation failed for {archive.model_name}: {tail}")
     path = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")]))
     return {"PYTHONPATH": path}

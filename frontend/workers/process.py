@@ -13,6 +13,7 @@ import collections
 import logging
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from collections.abc import Mapping
@@ -27,10 +28,66 @@ class SpawnError(Exception):
     """The process exited or stayed silent before it listened. The message carries its stderr tail."""
 
 
+class ChildProcess:
+    """A child process driven from the event loop: its pid, its stdout and stderr as StreamReaders,
+    and its exit.
+
+    Started with ``subprocess.Popen``, whose vfork + exec runs no code in the child before exec,
+    not ``asyncio.create_subprocess_exec``: under uvloop that forks and runs uvloop's at-fork hook
+    (``PyOS_AfterFork_Child``) in the child, which can crash the child (SIGSEGV before exec) while
+    other threads of the frontend — gRPC's — are busy. The exit is watched with a pidfd."""
+
+    __slots__ = ("_exited", "_pidfd", "popen", "stderr", "stdout")
+
+    def __init__(self, popen: subprocess.Popen[bytes], stdout: asyncio.StreamReader,
+                 stderr: asyncio.StreamReader) -> None:
+        self.popen = popen
+        self.stdout = stdout
+        self.stderr = stderr
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
+        self._pidfd = os.pidfd_open(popen.pid)
+        loop.add_reader(self._pidfd, self._on_exit)
+        self._on_exit()  # it may be gone already
+
+    @classmethod
+    async def start(cls, argv: list[str], env: Mapping[str, str] | None, cwd: str | None) -> ChildProcess:
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=dict(env) if env is not None else None, cwd=cwd,
+                                 # Own session: a Ctrl-C on the terminal reaches only the frontend, which
+                                 # then stops its workers in order; killpg takes a handler's children too.
+                                 start_new_session=True)
+        loop = asyncio.get_running_loop()
+        readers = []
+        for pipe in (popen.stdout, popen.stderr):
+            reader = asyncio.StreamReader(limit=1 << 20)
+            await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
+            readers.append(reader)
+        return cls(popen, readers[0], readers[1])
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def _on_exit(self) -> None:
+        if self._exited.done() or self.popen.poll() is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._exited.set_result(self.popen.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+
 class WorkerProcess:
     __slots__ = ("_log", "_oom_kills_at_start", "_pumps", "_ready", "proc", "sock_path", "stderr_tail", "worker_id")
 
-    def __init__(self, worker_id: str, sock_path: Path, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, worker_id: str, sock_path: Path, proc: ChildProcess) -> None:
         self.worker_id = worker_id
         self.sock_path = sock_path
         self.proc = proc
@@ -59,15 +116,10 @@ class WorkerProcess:
         env: Mapping[str, str] | None = None, cwd: Path | None = None,
     ) -> WorkerProcess:
         """Start ``python -m backend.worker`` and return once it listens (or raise SpawnError)."""
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "backend.worker",
-            "--sock-path", str(sock_path), "--worker-id", worker_id, "--max-request-size", str(max_request_size),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=dict(env) if env is not None else None, cwd=str(cwd) if cwd else None,
-            # Own session: a Ctrl-C on the terminal reaches only the frontend, which then stops its
-            # workers in order; and killpg takes any children a handler started with it.
-            start_new_session=True,
-        )
+        proc = await ChildProcess.start(
+            [sys.executable, "-m", "backend.worker",
+             "--sock-path", str(sock_path), "--worker-id", worker_id, "--max-request-size", str(max_request_size)],
+            env, str(cwd) if cwd else None)
         worker = cls(worker_id, sock_path, proc)
         exited = asyncio.ensure_future(proc.wait())
         try:
