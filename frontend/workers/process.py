@@ -28,6 +28,12 @@ class SpawnError(Exception):
     """The process exited or stayed silent before it listened. The message carries its stderr tail."""
 
 
+class _PipeProtocol(asyncio.StreamReaderProtocol):
+    def eof_received(self) -> bool:
+        super().eof_received()
+        return False  # the pipe is done: close its transport (uvloop keeps it open on True)
+
+
 class ChildProcess:
     """A child process driven from the event loop: its pid, its stdout and stderr as StreamReaders,
     and its exit.
@@ -61,7 +67,7 @@ class ChildProcess:
         readers = []
         for pipe in (popen.stdout, popen.stderr):
             reader = asyncio.StreamReader(limit=1 << 20)
-            await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
+            await loop.connect_read_pipe(lambda r=reader: _PipeProtocol(r), pipe)
             readers.append(reader)
         return cls(popen, readers[0], readers[1])
 
