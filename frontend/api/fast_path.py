@@ -6,16 +6,16 @@ Why: under echo load, aiohttp's per-request machinery (its Request, router, midd
 StreamResponse objects) cost the frontend more CPU than everything else it does for a prediction —
 jobs, batching, the codec (profiles in docs/benchmarks.md). Here a connection frames HTTP/1.1
 requests itself (the head up to its blank line, then exactly Content-Length body bytes), lets
-httptools (llhttp, the parser aiohttp uses too, so both agree on what is valid) check and split the
-head, and writes responses as bytes.
+httptools (llhttp, the parser aiohttp uses too, so both agree on what is valid) check the head,
+splits the checked header lines once, and writes responses as bytes.
 
 What is served here, and what is handed over:
   * served: HTTP/1.1; POST or PUT on a prediction route, or GET /ping; a body announced by
     Content-Length, or none; a content type that is not a form;
   * handed over to aiohttp: everything else — other routes and methods, HTTP/1.0, a chunked request
     body, ``Expect``, ``Upgrade``, forms (multipart, urlencoded), a head httptools refuses (aiohttp
-    answers it with its JSON 400), a head over 8190 bytes or 128 fields. The hand-over happens at a request
-    boundary with no response pending: the bytes not yet consumed go to aiohttp's connection
+    answers it with its JSON 400), a folded header line, a head over 8190 bytes or 128 fields. The
+    hand-over happens at a request boundary with no response pending: the bytes not yet consumed go to aiohttp's connection
     handler (``transport.set_protocol``), which keeps the connection from then on.
 
 What a client sees is the aiohttp routes' behaviour: the same ``InferenceApi.run`` (jobs, sequence
